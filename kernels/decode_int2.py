@@ -1,0 +1,417 @@
+"""Split-KV (flash-decoding) attention of one new query per sequence over an INT2 cache plus a BF16 segment.
+
+Math, for sequence ``b`` and query head ``h`` (KV head ``kh = h // (Hq / Hkv)``): the query is rotated,
+``q' = q @ R_K[kh]``; cached keys and values are held rotated (``k' = k R_K``, ``v' = v R_V``), so
+``q'.k' = q.k`` and ``o = softmax(sm_scale * q' K'^T) V' R_V^T``.  Keys/values are either INT2 slots
+(``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, dequantised ``x_hat = code*s + z``) or BF16 slots
+(``bf16_indices[bf16_indptr[b]:bf16_indptr[b+1]]``, sink and recent tokens).
+
+With one scale/zero per row (``g = d``) the dequantisation is folded out of the inner loop:
+``q'.k_hat = s (q'.c) + z sum(q')`` and ``sum_t p_t v_hat_t = sum_t (p_t s_t) c_t + sum_t p_t z_t``
+(the last term is one scalar per head added to every output element), so per element the loop only
+unpacks codes and runs the tensor-core dot.  With ``g < d`` codes are dequantised per element before the dot.
+
+Packed layout (see :mod:`oscar_kernels.layout`): codes uint8 ``[S, Hkv, d/4]``; byte ``k*B + b``
+(``B = g/4``) of a row holds rotated elements ``k*g + b + j*B`` at bit shift ``2j``; so bit plane ``j`` of
+the ``d/4`` bytes is one quarter of the row, dotted against the matching quarter of ``q'`` (four dots of
+depth ``d/4``); scale/zero fp16 ``[S, Hkv, d/g]``.
+
+Kernels: ``_decode_int2_kernel``, grid ``(B, Hkv, num_splits + 1)``: split ``i < num_splits`` covers
+``ceil(L_b / num_splits)`` INT2 tokens (rounded up to a tile) of sequence ``b``; the last split covers the
+BF16 segment. All ``Hq / Hkv`` query heads of a KV head share each loaded K/V tile (GQA). Each split writes
+its normalised partial output and base-2 log-sum-exp. ``_decode_int2_merge_kernel``, grid ``(B, Hkv)``,
+merges the splits by log-sum-exp and rotates back by ``R_V^T`` in the same program.
+No host synchronisation: the split count is a launch argument, so a launch can be captured in a CUDA graph.
+
+Exact vs approximate: the ``_ref`` dequantises to fp32 and works in fp32. On GPU the kernel rounds ``q'``
+(pre-scaled by ``sm_scale * log2 e``) to fp16 and ``p*s`` to bf16 for the tensor-core dots (fp32
+accumulation), and rotates with tf32 dots: relative output error ~1e-3, tested at <= 1e-2.
+Under ``TRITON_INTERPRET=1`` every dot runs in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import CODES_PER_BYTE, check_group_size, dequantize_ref
+
+DEFAULT_TARGET_PROGRAMS = 4 * 132
+"""Split programs aimed for when ``num_splits`` is not given: about four per SM of an H200 (132 SMs)."""
+DEFAULT_MIN_SPLIT_TOKENS = 256
+"""A split gets at least this many INT2 tokens when ``num_splits`` is derived from ``max_kv_len``."""
+DEFAULT_BLOCK_N = 64
+"""INT2 tokens per inner-loop tile."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _decode_int2_kernel(
+    Q, ROT_K,
+    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
+    K_BF16, V_BF16,
+    KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
+    PART_O, PART_LSE,
+    qk_scale,
+    stride_qb, stride_qh, stride_qd,
+    stride_rh, stride_rr, stride_rc,
+    stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+    stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+    stride_kbs, stride_kbh, stride_kbd, stride_vbs, stride_vbh, stride_vbd,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ROT_PER_HEAD: tl.constexpr, QK_T: tl.constexpr, PV_T: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    D4: tl.constexpr = HEAD_DIM // 4
+    BQ: tl.constexpr = GROUP_SIZE // 4
+    NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQA
+    heads = kvh * GQA + offs_h
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_m = tl.arange(0, D4)
+    col0 = (offs_m // BQ) * GROUP_SIZE + offs_m % BQ  # element of bit plane 0 held by byte m
+
+    # ---- q' = q @ R_K, split into the four bit-plane quarters, pre-scaled for exp2 ----
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=mask_h[:, None], other=0.0).to(tl.float32)
+    r_base = ROT_K + (kvh * stride_rh if ROT_PER_HEAD else 0) + offs_d[:, None] * stride_rr
+    q0 = (tl.dot(q, tl.load(r_base + (col0 + 0 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
+    q1 = (tl.dot(q, tl.load(r_base + (col0 + 1 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
+    q2 = (tl.dot(q, tl.load(r_base + (col0 + 2 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
+    q3 = (tl.dot(q, tl.load(r_base + (col0 + 3 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, D4], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, D4], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, D4], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, D4], tl.float32)
+
+    if split < NUM_SPLITS:
+        # ---------------- INT2 split ----------------
+        kv_start = tl.load(KV_INDPTR + b)
+        kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
+        split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, kv_len)
+        qsum = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)
+                + tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1))
+        gidx = offs_m // BQ
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
+            vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
+            if NG == 1:
+                ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh, mask=mask_n, other=0.0).to(tl.float32)
+                kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh, mask=mask_n, other=0.0).to(tl.float32)
+                vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
+                vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
+                qc = tl.dot(q0, tl.trans((kc & 3).to(QK_T)))
+                qc += tl.dot(q1, tl.trans(((kc >> 2) & 3).to(QK_T)))
+                qc += tl.dot(q2, tl.trans(((kc >> 4) & 3).to(QK_T)))
+                qc += tl.dot(q3, tl.trans((kc >> 6).to(QK_T)))
+                s = qc * ks[None, :] + qsum[:, None] * kz[None, :]
+            else:
+                ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :],
+                             mask=mask_n[:, None], other=0.0).to(tl.float32)
+                kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :],
+                             mask=mask_n[:, None], other=0.0).to(tl.float32)
+                s = tl.dot(q0, tl.trans(((kc & 3).to(tl.float32) * ks + kz).to(QK_T)))
+                s += tl.dot(q1, tl.trans((((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T)))
+                s += tl.dot(q2, tl.trans((((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T)))
+                s += tl.dot(q3, tl.trans(((kc >> 6).to(tl.float32) * ks + kz).to(QK_T)))
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc0 *= alpha[:, None]
+            acc1 *= alpha[:, None]
+            acc2 *= alpha[:, None]
+            acc3 *= alpha[:, None]
+            if NG == 1:
+                ps = (p * vs[None, :]).to(PV_T)
+                pz = tl.sum(p * vz[None, :], 1)[:, None]
+                acc0 += tl.dot(ps, (vc & 3).to(PV_T)) + pz
+                acc1 += tl.dot(ps, ((vc >> 2) & 3).to(PV_T)) + pz
+                acc2 += tl.dot(ps, ((vc >> 4) & 3).to(PV_T)) + pz
+                acc3 += tl.dot(ps, (vc >> 6).to(PV_T)) + pz
+            else:
+                vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :],
+                             mask=mask_n[:, None], other=0.0).to(tl.float32)
+                vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :],
+                             mask=mask_n[:, None], other=0.0).to(tl.float32)
+                pp = p.to(PV_T)
+                acc0 += tl.dot(pp, ((vc & 3).to(tl.float32) * vs + vz).to(PV_T))
+                acc1 += tl.dot(pp, (((vc >> 2) & 3).to(tl.float32) * vs + vz).to(PV_T))
+                acc2 += tl.dot(pp, (((vc >> 4) & 3).to(tl.float32) * vs + vz).to(PV_T))
+                acc3 += tl.dot(pp, ((vc >> 6).to(tl.float32) * vs + vz).to(PV_T))
+            m_i = m_new
+    else:
+        # ---------------- BF16 sink/recent split ----------------
+        bf_start = tl.load(BF16_INDPTR + b)
+        bf_len = tl.load(BF16_INDPTR + b + 1) - bf_start
+        for start in range(0, bf_len, BLOCK_NB):
+            offs_n = start + tl.arange(0, BLOCK_NB)
+            mask_n = offs_n < bf_len
+            slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k_rows = K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh
+            s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :] * stride_kbd).to(QK_T)))
+            s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :] * stride_kbd).to(QK_T)))
+            s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :] * stride_kbd).to(QK_T)))
+            s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :] * stride_kbd).to(QK_T)))
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pp = p.to(PV_T)
+            v_rows = V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh
+            mn = mask_n[:, None]
+            acc0 = acc0 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 0 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+            acc1 = acc1 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 1 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+            acc2 = acc2 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 2 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+            acc3 = acc3 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 3 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+            m_i = m_new
+
+    # ---- normalised partial output and base-2 LSE (empty split: lse = -inf, o = 0) ----
+    has = l_i > 0.0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
+    mh = mask_h[:, None]
+    tl.store(o_rows + (col0 + 0 * BQ)[None, :], acc0 * inv_l[:, None], mask=mh)
+    tl.store(o_rows + (col0 + 1 * BQ)[None, :], acc1 * inv_l[:, None], mask=mh)
+    tl.store(o_rows + (col0 + 2 * BQ)[None, :], acc2 * inv_l[:, None], mask=mh)
+    tl.store(o_rows + (col0 + 3 * BQ)[None, :], acc3 * inv_l[:, None], mask=mh)
+    tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_int2_merge_kernel(
+    PART_O, PART_LSE, ROT_V, OUT,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    stride_rh, stride_rr, stride_rc,
+    stride_ob, stride_oh, stride_od,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_PARTS: tl.constexpr, BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQA
+    heads = kvh * GQA + offs_h
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_p = tl.arange(0, BLOCK_P)
+    lse = tl.load(PART_LSE + b * stride_plb + heads[:, None] * stride_plh + offs_p[None, :],
+                  mask=mask_h[:, None] & (offs_p[None, :] < NUM_PARTS), other=float("-inf"))
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m[:, None])  # [BLOCK_H, BLOCK_P]
+    w_sum = tl.sum(w, 1)
+    o = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + offs_d[None, :]
+    for i in range(NUM_PARTS):
+        w_i = tl.sum(tl.where(offs_p[None, :] == i, w, 0.0), 1)
+        o += w_i[:, None] * tl.load(o_rows + i * stride_pos, mask=mask_h[:, None], other=0.0)
+    o = o * tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)[:, None]
+    # o = o' @ R_V^T: load R_V transposed
+    rt = tl.load(ROT_V + (kvh * stride_rh if ROT_PER_HEAD else 0)
+                 + offs_d[:, None] * stride_rc + offs_d[None, :] * stride_rr)
+    o = tl.dot(o, rt)
+    tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
+
+
+def default_num_splits(batch: int, kv_heads: int, max_kv_len: int,
+                       target_programs: int = DEFAULT_TARGET_PROGRAMS,
+                       min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS) -> int:
+    """INT2 splits per sequence: enough programs to fill the GPU, but no split shorter than ``min_split_tokens``.
+
+    Depends only on host integers (batch, heads, an upper bound of the INT2 length), so a CUDA graph captured
+    for a ``max_kv_len`` bucket replays for every shorter batch.
+    """
+    want = triton.cdiv(target_programs, batch * kv_heads)
+    cap = max(1, triton.cdiv(max_kv_len, min_split_tokens))
+    return max(1, min(want, cap))
+
+
+def _check_pool(name, codes, scale, zero, hkv, d, g):
+    if codes.dtype != torch.uint8 or codes.dim() != 3 or codes.shape[1:] != (hkv, d // CODES_PER_BYTE) or codes.stride(-1) != 1:
+        raise ValueError(f"{name}_codes must be uint8 [S, {hkv}, {d // 4}] with contiguous last dim, got {codes.dtype} {tuple(codes.shape)}")
+    for what, t in (("scale", scale), ("zero", zero)):
+        if t.dtype != torch.float16 or t.shape != (codes.shape[0], hkv, d // g) or t.stride(-1) != 1:
+            raise ValueError(f"{name}_{what} must be fp16 [{codes.shape[0]}, {hkv}, {d // g}] with contiguous last dim")
+
+
+def _check_rot(name, rot, hkv, d):
+    if rot.dtype != torch.float32 or rot.dim() != 3 or rot.shape[0] not in (1, hkv) or rot.shape[1:] != (d, d):
+        raise ValueError(f"{name} must be fp32 [{hkv} or 1, {d}, {d}], got {rot.dtype} {tuple(rot.shape)}")
+
+
+def _check_index(name, indptr, indices, batch):
+    if indptr.dtype != torch.int32 or indptr.shape != (batch + 1,):
+        raise ValueError(f"{name}_indptr must be int32 [{batch + 1}]")
+    if indices.dtype != torch.int32 or indices.dim() != 1:
+        raise ValueError(f"{name}_indices must be int32 [nnz]")
+
+
+def decode_int2(
+    q: torch.Tensor,
+    rot_k: torch.Tensor,
+    rot_v: torch.Tensor,
+    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+    kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+    k_bf16: torch.Tensor, v_bf16: torch.Tensor,
+    bf16_indptr: torch.Tensor, bf16_indices: torch.Tensor,
+    max_kv_len: int,
+    group_size: int | None = None,
+    sm_scale: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+) -> torch.Tensor:
+    """Decode attention of one query per sequence over INT2 + BF16 cached tokens.
+
+    Args:
+        q: bf16/fp16/fp32 ``[B, Hq, d]`` un-rotated queries (``Hq`` a multiple of ``Hkv``; any strides).
+        rot_k, rot_v: fp32 ``[Hkv or 1, d, d]`` rotations (``k' = k @ rot_k[h]``).
+        k_codes, v_codes: uint8 ``[S, Hkv, d/4]`` INT2 slot pools; k/v_scale, k/v_zero: fp16 ``[S, Hkv, d/g]``.
+        kv_indptr: int32 ``[B + 1]``, kv_indices: int32 ``[nnz]``: INT2 slots of each sequence.
+        k_bf16, v_bf16: bf16 ``[S_bf16, Hkv, d]`` rotated sink/recent pools.
+        bf16_indptr: int32 ``[B + 1]``, bf16_indices: int32 ``[nnz_bf16]``: BF16 slots of each sequence.
+        max_kv_len: host upper bound of any sequence's INT2 length (sets the default split count only).
+        group_size: quantisation group ``g`` (default ``d``).
+        sm_scale: softmax scale (default ``1/sqrt(d)``).
+        num_splits: INT2 splits per sequence (default :func:`default_num_splits`); fix it for CUDA graphs.
+        out: optional ``[B, Hq, d]`` output (default: new tensor of ``q.dtype``).
+        workspace: optional ``(part_o fp32 [B, Hq, num_splits + 1, d], part_lse fp32 [B, Hq, num_splits + 1])``
+            to avoid allocations inside a captured graph.
+        block_n: INT2 tokens per tile (``DEFAULT_BLOCK_N``).
+
+    Returns:
+        ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
+    """
+    bsz, hq, d = q.shape
+    hkv = k_codes.shape[1]
+    g = group_size or d
+    check_group_size(d, g)
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"q must be bf16/fp16/fp32, got {q.dtype}")
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
+    _check_pool("k", k_codes, k_scale, k_zero, hkv, d, g)
+    _check_pool("v", v_codes, v_scale, v_zero, hkv, d, g)
+    if v_codes.shape[0] != k_codes.shape[0]:
+        raise ValueError("k and v INT2 pools must have the same number of slots")
+    _check_rot("rot_k", rot_k, hkv, d)
+    _check_rot("rot_v", rot_v, hkv, d)
+    _check_index("kv", kv_indptr, kv_indices, bsz)
+    _check_index("bf16", bf16_indptr, bf16_indices, bsz)
+    for name, t in (("k_bf16", k_bf16), ("v_bf16", v_bf16)):
+        if t.dtype != torch.bfloat16 or t.dim() != 3 or t.shape[1:] != (hkv, d):
+            raise ValueError(f"{name} must be bf16 [S_bf16, {hkv}, {d}], got {t.dtype} {tuple(t.shape)}")
+    gqa = hq // hkv
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    num_splits = num_splits or default_num_splits(bsz, hkv, max_kv_len)
+    parts = num_splits + 1
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape:
+        raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    if workspace is None:
+        part_o = torch.empty(bsz, hq, parts, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(bsz, hq, parts, dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_lse = workspace
+        if part_o.shape != (bsz, hq, parts, d) or part_lse.shape != (bsz, hq, parts) or part_o.stride(-1) != 1 \
+                or part_lse.stride(-1) != 1 or part_o.dtype != torch.float32 or part_lse.dtype != torch.float32:
+            raise ValueError(f"workspace must be fp32 [{bsz}, {hq}, {parts}, {d}] and [{bsz}, {hq}, {parts}]")
+    if bsz == 0:
+        return out
+    # GQA group padded to the 16-row minimum of a tensor-core dot; BF16 tiles of 32 tokens (segments are short).
+    block_h = max(16, triton.next_power_of_2(gqa))
+    fp32_dot = _interpreting() or q.device.type != "cuda"
+    _decode_int2_kernel[(bsz, hkv, parts)](
+        q, rot_k,
+        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+        k_bf16, v_bf16,
+        kv_indptr, kv_indices, bf16_indptr, bf16_indices,
+        part_o, part_lse,
+        sm_scale * math.log2(math.e),
+        *q.stride(), *rot_k.stride(),
+        k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1), k_zero.stride(0), k_zero.stride(1),
+        v_codes.stride(0), v_codes.stride(1), v_scale.stride(0), v_scale.stride(1), v_zero.stride(0), v_zero.stride(1),
+        *k_bf16.stride(), *v_bf16.stride(),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d, GROUP_SIZE=g,
+        BLOCK_N=block_n, BLOCK_NB=32, NUM_SPLITS=num_splits,
+        ROT_PER_HEAD=rot_k.shape[0] > 1,
+        QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
+        num_warps=4, num_stages=2,
+    )
+    _decode_int2_merge_kernel[(bsz, hkv)](
+        part_o, part_lse, rot_v, out,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        *rot_v.stride(),
+        *out.stride(),
+        GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d,
+        NUM_PARTS=parts, BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=rot_v.shape[0] > 1,
+        num_warps=4,
+    )
+    return out
+
+
+def decode_int2_ref(
+    q: torch.Tensor,
+    rot_k: torch.Tensor,
+    rot_v: torch.Tensor,
+    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+    kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+    k_bf16: torch.Tensor, v_bf16: torch.Tensor,
+    bf16_indptr: torch.Tensor, bf16_indices: torch.Tensor,
+    group_size: int | None = None,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Plain fp32 torch definition of :func:`decode_int2`; returns fp32 ``[B, Hq, d]``."""
+    bsz, hq, d = q.shape
+    hkv = k_codes.shape[1]
+    g = group_size or d
+    gqa = hq // hkv
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    rk = rot_k.float().expand(hkv, d, d)
+    rv = rot_v.float().expand(hkv, d, d)
+    out = torch.empty(bsz, hq, d, dtype=torch.float32, device=q.device)
+    for b in range(bsz):
+        sl = kv_indices[kv_indptr[b]:kv_indptr[b + 1]].long()
+        sb = bf16_indices[bf16_indptr[b]:bf16_indptr[b + 1]].long()
+        k = torch.cat([dequantize_ref(k_codes[sl], k_scale[sl], k_zero[sl], g), k_bf16[sb].float()])  # [T, Hkv, d]
+        v = torch.cat([dequantize_ref(v_codes[sl], v_scale[sl], v_zero[sl], g), v_bf16[sb].float()])
+        for h in range(hq):
+            kh = h // gqa
+            qr = q[b, h].float() @ rk[kh]
+            p = torch.softmax((k[:, kh] @ qr) * sm_scale, dim=0)
+            out[b, h] = (p @ v[:, kh]) @ rv[kh].T
+    return out
