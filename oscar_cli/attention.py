@@ -1,0 +1,178 @@
+"""Decode-equivalent attention: teacher-forced scoring that sees exactly what an INT2 KV cache gives a decoder.
+
+A decoder at query position ``t`` (``n = t + 1`` tokens present) reads, for key position ``j`` of a row whose
+first real token is at ``p`` (left padding):
+
+* the exact K/V when ``j < p + sink`` (the sink) or ``j >= qend(n)`` (the recent window);
+* otherwise the INT2 round trip of the rotated K/V, rotated back (:func:`oscar_cli.methods.roundtrip`),
+
+with ``qstart = min_b (p_b + sink)`` and ``qend(n) = qstart + quantized_count(n, qstart, recent, block)`` — for
+per-token methods simply ``n - recent``. One query therefore sees a mix of exact and round-tripped keys that differs
+from its neighbour's, so :func:`mixed_attention` scores every query against both copies, ``[K_exact ; K_roundtrip]``,
+with a boolean mask that lets each (query, key) pair see exactly one copy, and runs one SDPA per chunk of queries
+(memory ``O(chunk · 2n)`` per head, chunk :data:`QUERY_CHUNK`).
+
+The implementation is registered with transformers as :data:`ATTN_NAME` (``AttentionInterface`` + an eager mask so
+that padding reaches it). Per-layer settings live on the attention modules (:func:`install`); a cache that defers its
+attention (:class:`oscar_cli.cache.OscarCache`) leaves a pending handle on the module that takes precedence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .methods import LayerQuant, Windows, quantized_count, roundtrip
+
+ATTN_NAME = "oscar_decode_equivalent"
+QUERY_CHUNK = 512
+"""Queries per SDPA call: bounds the mask and score memory at ``chunk × 2n`` per head (2k tokens: ~16 MB fp32)."""
+_STATE = "_oscar_state"
+PENDING = "_oscar_pending"
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    except ImportError:  # pragma: no cover  (older transformers: masks are built for every implementation)
+        ALL_MASK_ATTENTION_FUNCTIONS = None
+    AttentionInterface.register(ATTN_NAME, oscar_attention)
+    if ALL_MASK_ATTENTION_FUNCTIONS is not None:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, eager_mask)
+
+
+def attention_modules(model) -> dict[int, torch.nn.Module]:
+    """``layer_idx -> self-attention module`` of a transformers decoder (modules with ``layer_idx`` and ``k_proj``)."""
+    return {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")}
+
+
+def install(model, quants: list[LayerQuant | None] | None, windows: Windows | None) -> None:
+    """Switch ``model`` to decode-equivalent attention with one :class:`LayerQuant` per layer (None = exact).
+
+    ``quants=None`` leaves every layer exact (the attention is then plain SDPA)."""
+    _register()
+    mods = attention_modules(model)
+    if not mods:
+        from .errors import OscarError
+
+        raise OscarError(f"{type(model).__name__} has no attention modules with k_proj/layer_idx; use a Llama-like model")
+    dev = next(model.parameters()).device
+    for i, m in mods.items():
+        lq = None if quants is None or i >= len(quants) else quants[i]
+        setattr(m, _STATE, None if lq is None else (lq.to(dev), windows))
+        m.__dict__.pop(PENDING, None)
+    if hasattr(model, "set_attn_implementation"):
+        try:
+            model.set_attn_implementation(ATTN_NAME)
+            return
+        except Exception:  # noqa: BLE001  (older versions validate names differently)
+            pass
+    model.config._attn_implementation = ATTN_NAME
+
+
+def to_bool_mask(mask: torch.Tensor | None, batch: int, q_pos: torch.Tensor, n: int) -> torch.Tensor:
+    """Model attention mask -> bool ``[B, 1, T, n]`` (True = may attend). Float masks are additive (0 = allowed);
+    ``None`` means plain causal over positions ``q_pos [T]``."""
+    if mask is None:
+        j = torch.arange(n, device=q_pos.device)
+        return (j[None, :] <= q_pos[:, None])[None, None].expand(batch, 1, -1, -1)
+    m = mask[..., -n:] if mask.shape[-1] >= n else mask
+    if m.dtype != torch.bool:
+        m = m == 0
+    return m[:, :1] if m.shape[1] != 1 else m
+
+
+def first_real(allowed: torch.Tensor) -> torch.Tensor:
+    """Per-row index of the first key any query may see (the first real token under left padding): int64 ``[B]``."""
+    seen = allowed.any(dim=(1, 2))  # [B, n]
+    idx = seen.float().argmax(-1)
+    return torch.where(seen.any(-1), idx, torch.zeros_like(idx))
+
+
+def rt_mask(q_pos: torch.Tensor, rt_start: int, length: int, sink_end: torch.Tensor, qstart: int, recent: int,
+            block: int) -> torch.Tensor:
+    """bool ``[B, 1, T, length]``: query ``t`` reads the round trip of key ``rt_start + l``."""
+    j = torch.arange(rt_start, rt_start + length, device=q_pos.device)
+    n = q_pos + 1
+    qend = qstart + torch.clamp(n - recent - qstart, min=0) // block * block  # [T]
+    m = (j[None, :] < qend[:, None])[None] & (j[None, None, :] >= sink_end.view(-1, 1, 1))
+    return m[:, None]
+
+
+def mixed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+    k_rt: torch.Tensor | None = None,
+    v_rt: torch.Tensor | None = None,
+    use_rt: torch.Tensor | None = None,
+    rt_start: int = 0,
+) -> torch.Tensor:
+    """Attention over exact keys plus, where ``use_rt`` says so, round-tripped keys. This is the reference
+    "attend over cache" step.
+
+    q: ``[B, Hq, T, d]``; k, v: ``[B, Hkv, n, d]`` exact (any content where unused); allowed: bool ``[B, 1, T, n]``;
+    k_rt, v_rt: ``[B, Hkv, L, d]`` round trips of positions ``rt_start .. rt_start + L``; use_rt: bool
+    ``[B, 1, T, L]``. Returns ``[B, T, Hq, d]`` in ``q.dtype``.
+    """
+    n = k.shape[2]
+    if k_rt is not None and k_rt.shape[2] > 0:
+        L = k_rt.shape[2]
+        sel = torch.zeros(allowed.shape[:-1] + (n,), dtype=torch.bool, device=allowed.device)
+        sel[..., rt_start : rt_start + L] = use_rt
+        exact_ok = allowed & ~sel
+        rt_ok = allowed[..., rt_start : rt_start + L] & use_rt
+        mask = torch.cat([exact_ok, rt_ok], dim=-1)
+        keys = torch.cat([k, k_rt.to(k.dtype)], dim=2)
+        vals = torch.cat([v, v_rt.to(v.dtype)], dim=2)
+    else:
+        mask, keys, vals = allowed, k, v
+    mask = mask | ~mask.any(-1, keepdim=True)  # fully masked (padding) queries: attend anywhere, stay finite
+    gqa = q.shape[1] != keys.shape[1]
+    outs = []
+    for s in range(0, q.shape[2], QUERY_CHUNK):
+        qc = q[:, :, s : s + QUERY_CHUNK]
+        mc = mask[:, :, s : s + QUERY_CHUNK]
+        outs.append(F.scaled_dot_product_attention(qc, keys, vals, attn_mask=mc, scale=scaling, enable_gqa=gqa))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def decode_equivalent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scaling: float,
+    lq: LayerQuant, windows: Windows, q_pos: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Teacher-forced decode-equivalent attention over a full exact sequence. q ``[B, Hq, T, d]`` at positions
+    ``q_pos`` (default: the last ``T`` of ``n``); k, v ``[B, Hkv, n, d]``; allowed bool ``[B, 1, T, n]``.
+    Returns ``[B, T, Hq, d]``."""
+    n, T = k.shape[2], q.shape[2]
+    if q_pos is None:
+        q_pos = torch.arange(n - T, n, device=q.device)
+    sink_end = first_real(allowed) + windows.sink
+    qstart = int(sink_end.min())
+    qend = qstart + quantized_count(int(q_pos.max()) + 1, qstart, windows.recent, lq.token_block)
+    if qend <= qstart:
+        return mixed_attention(q, k, v, allowed, scaling)
+    k_rt = roundtrip(k[:, :, qstart:qend], lq, "k")
+    v_rt = roundtrip(v[:, :, qstart:qend], lq, "v")
+    use = rt_mask(q_pos, qstart, qend - qstart, sink_end, qstart, windows.recent, lq.token_block)
+    return mixed_attention(q, k, v, allowed, scaling, k_rt, v_rt, use, qstart)
+
+
+def oscar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The registered transformers attention function (signature of ``sdpa_attention_forward``)."""
+    scaling = module.scaling if scaling is None else scaling
+    pending = module.__dict__.pop(PENDING, None)
+    if pending is not None:
+        return pending.attend(query, attention_mask, scaling), None
+    n, T = key.shape[2], query.shape[2]
+    q_pos = torch.arange(n - T, n, device=query.device)
+    allowed = to_bool_mask(attention_mask, query.shape[0], q_pos, n)
+    state = getattr(module, _STATE, None)
+    if state is None:
+        return mixed_attention(query, key, value, allowed, scaling), None
+    lq, windows = state
+    return decode_equivalent(query, key, value, allowed, scaling, lq, windows, q_pos), None

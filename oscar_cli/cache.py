@@ -1,0 +1,222 @@
+"""``OscarCache``: a transformers ``Cache`` holding the middle of every sequence as packed INT2 in the rotated basis.
+
+Per layer and padded position ``j`` (rows left-padded; ``p_b`` = first real token of row ``b``):
+
+* ``head``  — exact (model dtype), positions ``[0, min(hend, tail_start))``, ``hend = max_b p_b + sink``: the sinks;
+* ``codes`` — packed rows (:func:`oscar_cli.methods.quantize_rows`), positions ``[qstart, tail_start)``,
+  ``qstart = min_b p_b + sink``;
+* ``tail``  — exact, positions ``[tail_start, n)``: the last ``recent`` tokens (plus an incomplete KIVI block).
+
+Attention is deferred: ``update`` appends the new rows to the tail and leaves a handle on the layer's attention module;
+the registered decode-equivalent attention (:mod:`oscar_cli.attention`) calls :meth:`OscarLayer.attend`, which sees
+the padding mask, attends exactly as a decoder would at every new query (so a long prefill is quantized as in
+serving, not "exact prefill, quantize afterwards"), then moves tokens that left the recent window into ``codes``.
+
+Two seams for kernels: :meth:`OscarLayer._pack` (rotate + quantize + pack rows) and :meth:`OscarLayer.attend`
+(attend over head + codes + tail); the torch reference dequantizes the codes it reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from . import attention as attn
+from .errors import OscarError
+from .methods import (
+    LayerQuant,
+    Method,
+    Windows,
+    dequantize_rows,
+    hf_backend,
+    quantize_rows,
+    quantized_count,
+    windows_for,
+)
+from .quantizer import QuantizedRows
+
+
+def _cat_rows(a: QuantizedRows | None, b: QuantizedRows) -> QuantizedRows:
+    if a is None:
+        return b
+    return QuantizedRows(
+        torch.cat([a.codes, b.codes], 2), torch.cat([a.scale, b.scale], 2), torch.cat([a.zero, b.zero], 2), b.bits, b.group
+    )
+
+
+class OscarLayer(DynamicLayer):
+    """One layer of :class:`OscarCache`. ``self.keys``/``self.values`` hold the exact tail ``[B, H, n - tail_start, d]``."""
+
+    is_croppable = False
+
+    def __init__(self, lq: LayerQuant | None, windows: Windows, module: torch.nn.Module):
+        super().__init__()
+        self.lq, self.windows, self.module = lq, windows, module
+        self.n = 0
+        self.ready = False
+        self.head_k = self.head_v = None
+        self.codes_k: QuantizedRows | None = None
+        self.codes_v: QuantizedRows | None = None
+        self.tail_start = 0
+
+    # --- transformers Cache layer API -------------------------------------------------------------------------------
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.n += key_states.shape[-2]
+        self.module.__dict__[attn.PENDING] = self
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def reset(self) -> None:
+        super().reset()
+        self.n, self.ready, self.tail_start = 0, False, 0
+        self.head_k = self.head_v = self.codes_k = self.codes_v = None
+
+    def reorder_cache(self, beam_idx):
+        raise OscarError("OscarCache does not support beam search; use greedy or sampling")
+
+    def batch_select_indices(self, indices):
+        raise OscarError("OscarCache does not support dropping rows mid-generation")
+
+    def batch_repeat_interleave(self, repeats):
+        raise OscarError("OscarCache does not support expanding rows mid-generation")
+
+    # --- storage ------------------------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes held: exact head and tail plus packed codes with their fp16 scales and zeros."""
+        total = 0
+        for t in (self.keys, self.values, self.head_k, self.head_v):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        for q in (self.codes_k, self.codes_v):
+            if q is not None:
+                total += q.nbytes
+        return total
+
+    def _pack(self, k: torch.Tensor, v: torch.Tensor) -> tuple[QuantizedRows, QuantizedRows]:
+        """Seam: rotate + quantize + pack rows ``[B, H, N, d]`` (the torch reference)."""
+        return quantize_rows(k, self.lq, "k"), quantize_rows(v, self.lq, "v")
+
+    def _first_call(self, allowed: torch.Tensor) -> None:
+        self.sink_end = attn.first_real(allowed) + self.windows.sink
+        self.qstart = int(self.sink_end.min())
+        self.hend = int(self.sink_end.max())
+        self.ready = True
+
+    def attend(self, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+        """Seam: attention of the new queries ``[B, Hq, m, d]`` over the whole cache; returns ``[B, m, Hq, d]``."""
+        m, n = query.shape[2], self.n
+        q_pos = torch.arange(n - m, n, device=query.device)
+        allowed = attn.to_bool_mask(attention_mask, query.shape[0], q_pos, n)
+        if not self.ready:
+            self._first_call(allowed)
+        if self.lq is None:
+            return attn.mixed_attention(query, self.keys, self.values, allowed, scaling)
+        lq, w = self.lq, self.windows
+        qend = self.qstart + quantized_count(n, self.qstart, w.recent, lq.token_block)
+        ts = self.tail_start
+        # exact rows over [0, n): head, a gap that every row reads quantized, then the tail
+        b, h, _, d = self.keys.shape
+        if ts > 0:
+            head_k = self.head_k if self.head_k is not None else self.keys[:, :, :0]
+            head_v = self.head_v if self.head_v is not None else self.values[:, :, :0]
+            fill = self.keys.new_zeros(b, h, ts - head_k.shape[2], d)
+            k_ex = torch.cat([head_k, fill, self.keys], 2)
+            v_ex = torch.cat([head_v, fill, self.values], 2)
+        else:
+            k_ex, v_ex = self.keys, self.values
+        if qend <= self.qstart:
+            return attn.mixed_attention(query, k_ex, v_ex, allowed, scaling)
+        # round trips over [qstart, qend): stored codes, then rows leaving the tail now
+        parts_k, parts_v = [], []
+        if self.codes_k is not None:
+            parts_k.append(dequantize_rows(self.codes_k, lq, "k"))
+            parts_v.append(dequantize_rows(self.codes_v, lq, "v"))
+        lo = max(ts, self.qstart)
+        new = None
+        if qend > lo:
+            new = self._pack(self.keys[:, :, lo - ts : qend - ts], self.values[:, :, lo - ts : qend - ts])
+            parts_k.append(dequantize_rows(new[0], lq, "k"))
+            parts_v.append(dequantize_rows(new[1], lq, "v"))
+        k_rt, v_rt = torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+        use = attn.rt_mask(q_pos, self.qstart, qend - self.qstart, self.sink_end, self.qstart, w.recent, lq.token_block)
+        out = attn.mixed_attention(query, k_ex, v_ex, allowed, scaling, k_rt, v_rt, use, self.qstart)
+        if qend > ts:
+            self._flush(ts, qend, new)
+        return out
+
+    def _flush(self, ts: int, qend: int, new) -> None:
+        """Move tail positions ``[ts, qend)`` out: sinks to the head, the rest (already packed) to the codes."""
+        head_hi = min(qend, self.hend)
+        if head_hi > ts:
+            hk, hv = self.keys[:, :, : head_hi - ts], self.values[:, :, : head_hi - ts]
+            self.head_k = hk.clone() if self.head_k is None else torch.cat([self.head_k, hk], 2)
+            self.head_v = hv.clone() if self.head_v is None else torch.cat([self.head_v, hv], 2)
+        if new is not None:
+            self.codes_k = _cat_rows(self.codes_k, new[0])
+            self.codes_v = _cat_rows(self.codes_v, new[1])
+        self.keys = self.keys[:, :, qend - ts :].clone()
+        self.values = self.values[:, :, qend - ts :].clone()
+        self.tail_start = qend
+
+
+class OscarCache(Cache):
+    """INT2 (or INT4) KV cache with exact sink and recent windows. Build with :func:`make_cache`.
+
+    ``quants``: one :class:`LayerQuant` per layer (None = exact layer); ``windows``: sink/recent sizes."""
+
+    def __init__(self, model, quants: list[LayerQuant | None], windows: Windows):
+        attn._register()
+        if getattr(model.config, "_attn_implementation", None) != attn.ATTN_NAME:
+            attn.install(model, None, None)
+        mods = attn.attention_modules(model)
+        dev = next(model.parameters()).device
+        layers = [OscarLayer(None if q is None else q.to(dev), windows, mods[i]) for i, q in enumerate(quants)]
+        super().__init__(layers=layers)
+        self.windows = windows
+
+    def nbytes(self) -> int:
+        """Bytes held by all layers (what the cache costs in memory)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def elements(self) -> int:
+        """K and V elements represented (padded positions included)."""
+        total = 0
+        for layer in self.layers:
+            if layer.keys is not None:
+                b, h, _, d = layer.keys.shape
+                total += 2 * b * h * layer.n * d
+        return total
+
+    def bits_per_element(self) -> float:
+        return self.nbytes() * 8 / max(1, self.elements())
+
+
+def make_cache(model, method: Method, quants: list[LayerQuant | None] | None, sink: int, recent: int):
+    """A fresh cache for one generation: :class:`OscarCache` for quantizing methods and ``bf16``, transformers'
+    ``QuantizedCache`` (2 bits, group 64, residual ``recent``) for ``hf-*`` peers."""
+    if method.family == "hf":
+        from transformers import QuantizedCache
+
+        backend = hf_backend(method)
+        kw = dict(backend=backend, config=model.config, nbits=method.bits, q_group_size=64, residual_length=recent)
+        try:
+            return QuantizedCache(**kw)
+        except TypeError:  # pragma: no cover  (older signature)
+            kw.pop("config")
+            return QuantizedCache(**kw)
+    n_layers = model.config.num_hidden_layers
+    return OscarCache(model, quants if quants is not None else [None] * n_layers, windows_for(method, sink, recent))
+
+
+def cache_kwarg(model) -> str:
+    """The keyword that passes a cache to ``generate``/``forward``: ``cache`` (transformers >= 5.24) or
+    ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

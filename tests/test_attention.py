@@ -1,0 +1,81 @@
+"""Decode-equivalent attention against a per-query brute force, and its registration with transformers."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from oscar_cli import attention as attn
+from oscar_cli.methods import Windows, build_layer_quants, get_method, roundtrip
+
+
+def tiny_llama(layers=2, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def brute_force(q, k, v, lq, w, first):
+    """Query by query: build the keys a decoder at that step reads, then softmax."""
+    B, Hq, n, d = q.shape
+    rep = Hq // k.shape[1]
+    k_rt, v_rt = roundtrip(k, lq, "k"), roundtrip(v, lq, "v")
+    out = torch.zeros(B, n, Hq, d)
+    for b in range(B):
+        for t in range(first[b], n):
+            ks, vs = k[b, :, first[b] : t + 1].clone(), v[b, :, first[b] : t + 1].clone()
+            for j in range(first[b], t + 1):
+                if j - first[b] >= w.sink and j <= t - w.recent:
+                    ks[:, j - first[b]], vs[:, j - first[b]] = k_rt[b, :, j], v_rt[b, :, j]
+            ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+            p = torch.softmax(q[b, :, t : t + 1] @ ks.transpose(-1, -2) / math.sqrt(d), -1)
+            out[b, t] = (p @ vs)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("name", ["int2-naive", "int2-hadamard-clip"])
+def test_decode_equivalent_matches_brute_force_with_left_padding(name):
+    g = torch.Generator().manual_seed(3)
+    B, n, d = 2, 40, 16
+    q, k, v = (torch.randn(B, h, n, d, generator=g) for h in (4, 2, 2))
+    lq = build_layer_quants(get_method(name), 1, d, 2)[0]
+    w = Windows(sink=3, recent=7)
+    first = [0, 5]  # row 1 is left-padded by 5
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None].repeat(B, 1, 1, 1)
+    allowed[1, :, :, :5] = False
+    out = attn.decode_equivalent(q, k, v, allowed, 1 / math.sqrt(d), lq, w)
+    ref = brute_force(q, k, v, lq, w, first)
+    torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1, 5:], ref[1, 5:], atol=1e-5, rtol=1e-5)
+    exact = attn.mixed_attention(q, k, v, allowed, 1 / math.sqrt(d))
+    assert (out[0, 20:] - exact[0, 20:]).abs().max() > 1e-3  # quantization is visible in the middle
+
+
+def test_recent_covering_everything_is_exact():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, h, 30, 16, generator=g) for h in (4, 2, 2))
+    lq = build_layer_quants(get_method("int2-naive"), 1, 16, 2)[0]
+    allowed = torch.tril(torch.ones(30, 30, dtype=torch.bool))[None, None]
+    out = attn.decode_equivalent(q, k, v, allowed, 0.25, lq, Windows(0, 30))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-6, rtol=1e-5)
+
+
+def test_registered_attention_in_a_model():
+    model = tiny_llama()
+    ids = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model(ids, use_cache=False).logits
+        attn.install(model, None, None)  # exact everywhere: same logits as sdpa
+        assert model.config._attn_implementation == attn.ATTN_NAME
+        same = model(ids, use_cache=False).logits
+        torch.testing.assert_close(same, base, atol=1e-5, rtol=1e-4)
+        quants = build_layer_quants(get_method("int2-naive"), 2, 16, 2)
+        attn.install(model, quants, Windows(4, 8))
+        q = model(ids, use_cache=False).logits
+    # the first sink+recent positions see only exact keys; later ones do not
+    torch.testing.assert_close(q[:, :12], base[:, :12], atol=1e-5, rtol=1e-4)
+    assert (q[:, 20:] - base[:, 20:]).abs().max() > 1e-3
+    assert torch.isfinite(q).all()

@@ -1,0 +1,124 @@
+"""OscarCache on a tiny random-weight Llama (token ids, no tokenizer): exactness, decode equivalence, padding, bytes."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from oscar_cli import attention as attn
+from oscar_cli.cache import OscarCache, cache_kwarg, make_cache
+from oscar_cli.errors import OscarError
+from oscar_cli.methods import Windows, bits_per_element, build_layer_quants, get_method, quantized_count
+
+D = 32  # head dim of the tiny model
+
+
+def tiny_llama(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def ids(b, n, seed=0):
+    return torch.randint(1, 96, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def quants(name, layers=2):
+    return build_layer_quants(get_method(name), layers, D, 2)
+
+
+def test_recent_covering_sequence_gives_dynamic_cache_tokens():
+    model = tiny_llama()
+    x = ids(2, 30)
+    kw = cache_kwarg(model)
+    with torch.no_grad():
+        ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False,
+                             **{kw: DynamicCache(config=model.config)})
+        cache = OscarCache(model, quants("int2-naive"), Windows(4, 64))
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False, **{kw: cache})
+    assert torch.equal(out, ref)
+    assert all(layer.codes_k is None for layer in cache.layers)
+
+
+@pytest.mark.parametrize("name", ["int2-hadamard-clip", "int2-kivi"])
+def test_prefill_and_decode_steps_equal_decode_equivalent_attention(name):
+    """Prefill through the cache quantizes as a decoder would, and every decode step's attention equals the
+    teacher-forced decode-equivalent attention at that position."""
+    model = tiny_llama()
+    w = Windows(3, 6)
+    q = quants(name)
+    prompt, steps = ids(1, 150 if name == "int2-kivi" else 40), 12
+    kw = cache_kwarg(model)
+    captured = []
+    hook = model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(lambda m, a: captured.append(a[0]))
+    with torch.no_grad():
+        cache = make_cache(model, get_method(name), q, w.sink, w.recent)
+        out = model(prompt, **{kw: cache}, use_cache=True)
+        logits, seq = [out.logits], prompt
+        for _ in range(steps):
+            nxt = logits[-1][:, -1:].argmax(-1)
+            seq = torch.cat([seq, nxt], 1)
+            logits.append(model(nxt, **{kw: cache}, use_cache=True).logits)
+        cached = torch.cat(logits, 1)
+        cached_attn = torch.cat(captured, 1)
+        captured.clear()
+        attn.install(model, q, w if name != "int2-kivi" else Windows(0, 128))
+        tf = model(seq, use_cache=False).logits
+        tf_attn = captured[0]
+    hook.remove()
+    torch.testing.assert_close(cached_attn, tf_attn[:, : cached_attn.shape[1]], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(cached, tf[:, : cached.shape[1]], atol=2e-4, rtol=1e-4)
+    layer = cache.layers[0]
+    block = 32 if name == "int2-kivi" else 1
+    sink = 0 if name == "int2-kivi" else w.sink
+    recent = 128 if name == "int2-kivi" else w.recent
+    nq = quantized_count(seq.shape[1], sink, recent, block)
+    assert nq > 0 and layer.tail_start - layer.qstart == nq
+
+
+def test_left_padded_batch_matches_rows_alone():
+    """Sinks are the first real tokens of each row: a padded row decodes as it would alone."""
+    model = tiny_llama()
+    kw = cache_kwarg(model)
+    q, w = quants("int2-naive"), Windows(4, 6)
+    a, b = ids(1, 36, seed=1), ids(1, 28, seed=2)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 8, dtype=torch.long), b], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :8] = 0
+    with torch.no_grad():
+        both = model.generate(batch, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                              **{kw: OscarCache(model, q, w)})
+        alone = [model.generate(r, attention_mask=torch.ones_like(r), max_new_tokens=16, do_sample=False,
+                                **{kw: OscarCache(model, q, w)}) for r in (a, b)]
+    assert torch.equal(both[0, 36:], alone[0][0, 36:])
+    assert torch.equal(both[1, 36:], alone[1][0, 28:])
+
+
+@pytest.mark.parametrize("name", ["int2-naive", "int2-hadamard", "int4-naive", "int2-kivi"])
+def test_bytes_held_equal_accounting(name):
+    model = tiny_llama(torch.bfloat16)
+    kw = cache_kwarg(model)
+    m = get_method(name)
+    n_prompt, new = 150, 20
+    with torch.no_grad():
+        cache = make_cache(model, m, build_layer_quants(m, 2, D, 2), 8, 16)
+        model.generate(ids(1, n_prompt), attention_mask=torch.ones(1, n_prompt, dtype=torch.long),
+                       max_new_tokens=new, do_sample=False, **{kw: cache})
+    n = n_prompt + new - 1  # the last token is never fed back
+    assert cache.get_seq_length() == n
+    expect = bits_per_element(m, n, D, 8, 16, exact_bits=16)
+    assert cache.bits_per_element() == pytest.approx(expect, rel=1e-12)
+    dyn_bytes = 2 * 2 * 2 * n * D * 2  # layers * (K, V) * heads * tokens * d * bf16
+    assert cache.nbytes() < (0.9 if name == "int2-kivi" else 0.5) * dyn_bytes
+
+
+def test_unusable_operations_and_peers_are_clear_errors():
+    model = tiny_llama()
+    cache = OscarCache(model, quants("int2-naive"), Windows(2, 2))
+    with pytest.raises(OscarError, match="beam search"):
+        cache.layers[0].reorder_cache(torch.tensor([0]))
+    import importlib.util
+
+    if importlib.util.find_spec("hqq") is None:
+        with pytest.raises(OscarError, match="hqq"):
+            make_cache(model, get_method("hf-hqq"), None, 0, 64)

@@ -1,0 +1,102 @@
+"""Method registry, the rotate+quantize seam and the storage accounting."""
+
+import pytest
+import torch
+
+from oscar_cli import quantizer
+from oscar_cli.errors import OscarError
+from oscar_cli.methods import (
+    METHODS,
+    LayerQuant,
+    bits_per_element,
+    build_layer_quants,
+    dequantize_rows,
+    get_method,
+    parse_methods,
+    quantize_rows,
+    quantized_count,
+    roundtrip,
+)
+
+
+def test_registry_has_required_methods():
+    for name in ["bf16", "int2-naive", "int2-kivi", "int2-hadamard", "int2-hadamard-clip", "oscar", "int4-naive",
+                 "int4-hadamard", "int4-oscar", "hf-quantized"]:
+        assert name in METHODS
+    assert get_method("int2-hadamard-clip@0.9/0.8").clip == (0.9, 0.8)
+    assert get_method("oscar@v3").arg == "v3"
+    assert [m.name for m in parse_methods("bf16, int2-naive,bf16")] == ["bf16", "int2-naive"]
+
+
+@pytest.mark.parametrize("bad", ["int3-naive", "int2-naive@x", "int2-hadamard-clip@1.5", ""])
+def test_bad_method_names_are_one_line_errors(bad):
+    with pytest.raises(OscarError) as e:
+        parse_methods(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_artifact_method_without_artifact_is_an_error():
+    with pytest.raises(OscarError, match="needs an artifact"):
+        build_layer_quants(get_method("oscar"), 2, 64, 3)
+
+
+def test_pack_unpack_exact():
+    g = torch.Generator().manual_seed(1)
+    for bits in (2, 4):
+        codes = torch.randint(0, 1 << bits, (3, 5, 64), generator=g, dtype=torch.uint8)
+        packed = quantizer.pack(codes, bits, 32)
+        assert packed.shape[-1] == 64 * bits // 8
+        assert torch.equal(quantizer.unpack(packed, bits, 32), codes)
+
+
+@pytest.mark.parametrize("name", ["int2-naive", "int2-hadamard", "int2-hadamard-clip", "int4-hadamard", "int2-kivi"])
+def test_roundtrip_error_bound(name):
+    """Unclipped: every element within half a step of its group; rotations are undone exactly."""
+    m = get_method(name)
+    lq = build_layer_quants(m, 1, 64, 2)[0]
+    x = torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(0))
+    y = roundtrip(x, lq, "v")
+    assert y.shape == x.shape
+    if m.clip == (1.0, 1.0):
+        xr = x @ lq.r_v if lq.r_v is not None else x
+        yr = y @ lq.r_v if lq.r_v is not None else y
+        g = lq.group
+        step = (xr.unflatten(-1, (-1, g)).amax(-1) - xr.unflatten(-1, (-1, g)).amin(-1)) / ((1 << lq.bits) - 1)
+        err = (xr - yr).abs().unflatten(-1, (-1, g)).amax(-1)
+        assert (err <= step * 0.5 * 1.01 + 1e-3).all()
+    rel = ((x - y).norm() / x.norm()).item()
+    assert rel < (0.12 if lq.bits == 4 else 0.6)
+
+
+def test_kivi_keys_are_per_channel_blocks():
+    lq = build_layer_quants(get_method("int2-kivi"), 1, 64, 2)[0]
+    assert lq.token_block == 32
+    x = torch.randn(1, 2, 64, 64)
+    q = quantize_rows(x, lq, "k")
+    assert q.codes.shape == (1, 2, 2, 64, 8) and q.scale.shape == (1, 2, 2, 64, 1)
+    # a constant channel inside a block is reproduced exactly (scale floor aside)
+    x[..., :32, 5] = 0.25
+    y = dequantize_rows(quantize_rows(x, lq, "k"), lq, "k")
+    assert torch.allclose(y[..., :32, 5], torch.full_like(y[..., :32, 5], 0.25), atol=1e-3)
+
+
+def test_per_head_clip_broadcasts():
+    r = torch.linalg.qr(torch.randn(2, 64, 64))[0]
+    lq = LayerQuant(2, 64, r, r, torch.tensor([1.0, 0.5]), torch.tensor([1.0, 0.5]))
+    x = torch.randn(1, 2, 8, 64)
+    q = quantize_rows(x, lq, "k")
+    span = q.scale.float() * 3
+    xr = x @ r
+    full = xr.amax(-1) - xr.amin(-1)
+    assert torch.allclose(span[0, 0, :, 0], full[0, 0], rtol=2e-3)
+    assert torch.allclose(span[0, 1, :, 0], 0.5 * full[0, 1], rtol=2e-3)
+
+
+def test_bits_per_element_formula():
+    m = get_method("int2-naive")
+    # 1000 tokens, sink 16, recent 64 -> 920 quantized at 2 + 32/64 bits, 80 exact at 16 bits
+    assert bits_per_element(m, 1000, 64, 16, 64) == pytest.approx((920 * 2.5 + 80 * 16) / 1000)
+    assert bits_per_element(get_method("bf16"), 1000, 64, 16, 64) == 16
+    k = get_method("int2-kivi")  # sink 0, residual 128, blocks of 32: 1000-128 = 872 -> 864 quantized at 3 bits
+    assert bits_per_element(k, 1000, 64, 16, 64) == pytest.approx((864 * 3 + 136 * 16) / 1000)
+    assert quantized_count(10, 4, 8, 1) == 0 and quantized_count(100, 4, 8, 32) == 64
