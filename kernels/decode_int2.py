@@ -52,6 +52,53 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _plane_asm(shift: int, magic: int) -> str:
+    """PTX: 4 packed codes (one byte each) -> bit plane at ``shift`` as 4 half-words ``magic | code``.
+
+    ``0x6400`` is fp16 1024 and ``0x4300`` bf16 128: OR-ing a 2-bit code into the mantissa yields exactly
+    ``1024 + code`` / ``128 + code``, two elements per 32-bit register in ~1.25 instructions per element.
+    """
+    return (
+        "{ .reg .b32 t; "
+        f"shr.b32 t, $2, {shift}; "
+        "prmt.b32 $0, t, t, 0x3120; prmt.b32 $1, t, t, 0x1302; "
+        f"and.b32 $0, $0, 0x00030003; and.b32 $1, $1, 0x00030003; "
+        f"or.b32 $0, $0, {magic:#x}; or.b32 $1, $1, {magic:#x}; }}"
+    )
+
+
+_F16_PLANE0 = tl.constexpr(_plane_asm(0, 0x64006400))
+_F16_PLANE1 = tl.constexpr(_plane_asm(2, 0x64006400))
+_F16_PLANE2 = tl.constexpr(_plane_asm(4, 0x64006400))
+_F16_PLANE3 = tl.constexpr(_plane_asm(6, 0x64006400))
+_BF16_PLANE0 = tl.constexpr(_plane_asm(0, 0x43004300))
+_BF16_PLANE1 = tl.constexpr(_plane_asm(2, 0x43004300))
+_BF16_PLANE2 = tl.constexpr(_plane_asm(4, 0x43004300))
+_BF16_PLANE3 = tl.constexpr(_plane_asm(6, 0x43004300))
+F16_MAGIC = 1024.0
+"""Offset of the fp16 codes made by the PTX unpack (``1024 + code``)."""
+BF16_MAGIC = 128.0
+"""Offset of the bf16 codes made by the PTX unpack (``128 + code``)."""
+
+
+@triton.jit
+def _planes_f16(x):
+    """uint8 codes -> four fp16 tensors ``1024 + plane_j``."""
+    return (tl.inline_asm_elementwise(_F16_PLANE0, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4),
+            tl.inline_asm_elementwise(_F16_PLANE1, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4),
+            tl.inline_asm_elementwise(_F16_PLANE2, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4),
+            tl.inline_asm_elementwise(_F16_PLANE3, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4))
+
+
+@triton.jit
+def _planes_bf16(x):
+    """uint8 codes -> four bf16 tensors ``128 + plane_j``."""
+    return (tl.inline_asm_elementwise(_BF16_PLANE0, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=4),
+            tl.inline_asm_elementwise(_BF16_PLANE1, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=4),
+            tl.inline_asm_elementwise(_BF16_PLANE2, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=4),
+            tl.inline_asm_elementwise(_BF16_PLANE3, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=4))
+
+
 @triton.jit
 def _decode_int2_kernel(
     Q, ROT_K,
@@ -59,7 +106,7 @@ def _decode_int2_kernel(
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
     PART_O, PART_LSE,
-    qk_scale,
+    qk_scale, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_rh, stride_rr, stride_rc,
     stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh,
@@ -68,8 +115,8 @@ def _decode_int2_kernel(
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    ROT_PER_HEAD: tl.constexpr, QK_T: tl.constexpr, PV_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
+    ROT_PER_HEAD: tl.constexpr, QK_T: tl.constexpr, PV_T: tl.constexpr, PTX_UNPACK: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -101,11 +148,11 @@ def _decode_int2_kernel(
     acc2 = tl.zeros([BLOCK_H, D4], tl.float32)
     acc3 = tl.zeros([BLOCK_H, D4], tl.float32)
 
-    if split < NUM_SPLITS:
+    if split < num_splits:
         # ---------------- INT2 split ----------------
         kv_start = tl.load(KV_INDPTR + b)
         kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
-        split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, kv_len)
         qsum = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)
@@ -122,10 +169,18 @@ def _decode_int2_kernel(
                 kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh, mask=mask_n, other=0.0).to(tl.float32)
                 vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
                 vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
-                qc = tl.dot(q0, tl.trans((kc & 3).to(QK_T)))
-                qc += tl.dot(q1, tl.trans(((kc >> 2) & 3).to(QK_T)))
-                qc += tl.dot(q2, tl.trans(((kc >> 4) & 3).to(QK_T)))
-                qc += tl.dot(q3, tl.trans((kc >> 6).to(QK_T)))
+                if PTX_UNPACK:  # codes arrive as 1024 + c: q.(1024 + c) = q.c + 1024 sum(q)
+                    k0, k1, k2, k3 = _planes_f16(kc)
+                    kz = kz - 1024.0 * ks
+                else:
+                    k0 = (kc & 3).to(QK_T)
+                    k1 = ((kc >> 2) & 3).to(QK_T)
+                    k2 = ((kc >> 4) & 3).to(QK_T)
+                    k3 = (kc >> 6).to(QK_T)
+                qc = tl.dot(q0, tl.trans(k0))
+                qc += tl.dot(q1, tl.trans(k1))
+                qc += tl.dot(q2, tl.trans(k2))
+                qc += tl.dot(q3, tl.trans(k3))
                 s = qc * ks[None, :] + qsum[:, None] * kz[None, :]
             else:
                 ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :],
@@ -147,11 +202,19 @@ def _decode_int2_kernel(
             acc3 *= alpha[:, None]
             if NG == 1:
                 ps = (p * vs[None, :]).to(PV_T)
-                pz = tl.sum(p * vz[None, :], 1)[:, None]
-                acc0 += tl.dot(ps, (vc & 3).to(PV_T)) + pz
-                acc1 += tl.dot(ps, ((vc >> 2) & 3).to(PV_T)) + pz
-                acc2 += tl.dot(ps, ((vc >> 4) & 3).to(PV_T)) + pz
-                acc3 += tl.dot(ps, (vc >> 6).to(PV_T)) + pz
+                pz = tl.sum(p * vz[None, :], 1)
+                if PTX_UNPACK:  # codes arrive as 128 + c: sum ps (128 + c) = sum ps c + 128 sum ps
+                    v0, v1, v2, v3 = _planes_bf16(vc)
+                    pz -= 128.0 * tl.sum(ps.to(tl.float32), 1)
+                else:
+                    v0 = (vc & 3).to(PV_T)
+                    v1 = ((vc >> 2) & 3).to(PV_T)
+                    v2 = ((vc >> 4) & 3).to(PV_T)
+                    v3 = (vc >> 6).to(PV_T)
+                acc0 += tl.dot(ps, v0) + pz[:, None]
+                acc1 += tl.dot(ps, v1) + pz[:, None]
+                acc2 += tl.dot(ps, v2) + pz[:, None]
+                acc3 += tl.dot(ps, v3) + pz[:, None]
             else:
                 vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :],
                              mask=mask_n[:, None], other=0.0).to(tl.float32)
@@ -206,12 +269,13 @@ def _decode_int2_kernel(
 @triton.jit
 def _decode_int2_merge_kernel(
     PART_O, PART_LSE, ROT_V, OUT,
+    num_parts,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     stride_rh, stride_rr, stride_rc,
     stride_ob, stride_oh, stride_od,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_PARTS: tl.constexpr, BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
+    BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -221,14 +285,14 @@ def _decode_int2_merge_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_p = tl.arange(0, BLOCK_P)
     lse = tl.load(PART_LSE + b * stride_plb + heads[:, None] * stride_plh + offs_p[None, :],
-                  mask=mask_h[:, None] & (offs_p[None, :] < NUM_PARTS), other=float("-inf"))
+                  mask=mask_h[:, None] & (offs_p[None, :] < num_parts), other=float("-inf"))
     m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m[:, None])  # [BLOCK_H, BLOCK_P]
     w_sum = tl.sum(w, 1)
     o = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + offs_d[None, :]
-    for i in range(NUM_PARTS):
+    for i in range(num_parts):
         w_i = tl.sum(tl.where(offs_p[None, :] == i, w, 0.0), 1)
         o += w_i[:, None] * tl.load(o_rows + i * stride_pos, mask=mask_h[:, None], other=0.0)
     o = o * tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)[:, None]
@@ -289,6 +353,9 @@ def decode_int2(
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_n: int = DEFAULT_BLOCK_N,
+    num_stages: int = 2,
+    num_warps: int = 4,
+    ptx_unpack: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over INT2 + BF16 cached tokens.
 
@@ -306,7 +373,9 @@ def decode_int2(
         out: optional ``[B, Hq, d]`` output (default: new tensor of ``q.dtype``).
         workspace: optional ``(part_o fp32 [B, Hq, num_splits + 1, d], part_lse fp32 [B, Hq, num_splits + 1])``
             to avoid allocations inside a captured graph.
-        block_n: INT2 tokens per tile (``DEFAULT_BLOCK_N``).
+        block_n: INT2 tokens per tile (``DEFAULT_BLOCK_N``); num_stages, num_warps: Triton pipelining depth
+            and warps of the split kernel.
+        ptx_unpack: unpack codes with the PTX magic-number trick (default: on CUDA, for ``g = d``).
 
     Returns:
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
@@ -351,13 +420,15 @@ def decode_int2(
     # GQA group padded to the 16-row minimum of a tensor-core dot; BF16 tiles of 32 tokens (segments are short).
     block_h = max(16, triton.next_power_of_2(gqa))
     fp32_dot = _interpreting() or q.device.type != "cuda"
+    if ptx_unpack is None:
+        ptx_unpack = not fp32_dot and g == d
     _decode_int2_kernel[(bsz, hkv, parts)](
         q, rot_k,
         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         k_bf16, v_bf16,
         kv_indptr, kv_indices, bf16_indptr, bf16_indices,
         part_o, part_lse,
-        sm_scale * math.log2(math.e),
+        sm_scale * math.log2(math.e), num_splits,
         *q.stride(), *rot_k.stride(),
         k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1), k_zero.stride(0), k_zero.stride(1),
         v_codes.stride(0), v_codes.stride(1), v_scale.stride(0), v_scale.stride(1), v_zero.stride(0), v_zero.stride(1),
@@ -365,19 +436,21 @@ def decode_int2(
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d, GROUP_SIZE=g,
-        BLOCK_N=block_n, BLOCK_NB=32, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, BLOCK_NB=32,
         ROT_PER_HEAD=rot_k.shape[0] > 1,
         QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
-        num_warps=4, num_stages=2,
+        PTX_UNPACK=bool(ptx_unpack),
+        num_warps=num_warps, num_stages=num_stages,
     )
     _decode_int2_merge_kernel[(bsz, hkv)](
         part_o, part_lse, rot_v, out,
+        parts,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         *rot_v.stride(),
         *out.stride(),
         GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d,
-        NUM_PARTS=parts, BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=rot_v.shape[0] > 1,
+        BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=rot_v.shape[0] > 1,
         num_warps=4,
     )
     return out

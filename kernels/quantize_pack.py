@@ -47,7 +47,7 @@ def _quantize_pack_kernel(
     stride_ss, stride_sh,
     stride_zs, stride_zh,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -66,10 +66,10 @@ def _quantize_pack_kernel(
     if ROTATE:
         x = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=mask_n[:, None], other=0.0).to(tl.float32)
         r_base = ROT + (h * stride_rh if ROT_PER_HEAD else 0) + offs_d[:, None] * stride_rr
-        y0 = tl.dot(x, tl.load(r_base + (col0 + 0 * BQ)[None, :] * stride_rc), input_precision="ieee")
-        y1 = tl.dot(x, tl.load(r_base + (col0 + 1 * BQ)[None, :] * stride_rc), input_precision="ieee")
-        y2 = tl.dot(x, tl.load(r_base + (col0 + 2 * BQ)[None, :] * stride_rc), input_precision="ieee")
-        y3 = tl.dot(x, tl.load(r_base + (col0 + 3 * BQ)[None, :] * stride_rc), input_precision="ieee")
+        y0 = tl.dot(x, tl.load(r_base + (col0 + 0 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
+        y1 = tl.dot(x, tl.load(r_base + (col0 + 1 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
+        y2 = tl.dot(x, tl.load(r_base + (col0 + 2 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
+        y3 = tl.dot(x, tl.load(r_base + (col0 + 3 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
     else:
         m2 = mask_n[:, None]
         y0 = tl.load(x_rows + (col0 + 0 * BQ)[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)
@@ -116,6 +116,7 @@ def quantize_pack(
     out_cache_loc: torch.Tensor,
     group_size: int | None = None,
     block_n: int = 32,
+    rot_precision: str = "ieee",
 ) -> None:
     """Quantize new rows into their slots, in place.
 
@@ -129,6 +130,8 @@ def quantize_pack(
         group_size: ``g`` (default ``d``: one group per head row).
         block_n: tokens per program. 32 keeps the four ``[32, d] x [d, d/4]`` fp32 products in registers
             at ``d = 128`` (see benchmarks/NOTES.md for the timing).
+        rot_precision: Triton ``input_precision`` of the fused rotation on GPU: ``"ieee"`` (fp32 FMA, default)
+            or ``"tf32x3"`` (three tf32 tensor-core passes, ~fp32 accuracy).
     """
     n, hkv, d = x.shape
     g = group_size or d
@@ -160,7 +163,7 @@ def quantize_pack(
         *x.stride(), *rot_strides,
         codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1),
         HEAD_DIM=d, GROUP_SIZE=g, BLOCK_N=block_n,
-        ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1,
+        ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1, PRECISION=rot_precision,
         num_warps=4,
     )
 

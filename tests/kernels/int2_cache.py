@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from oscar_kernels import quantize_pack_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

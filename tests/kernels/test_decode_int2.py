@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 from int2_cache import DEVICE, ON_GPU, make_cache, rel_err
-
 from oscar_kernels import decode_int2, decode_int2_ref
 
 # interpreter: short ragged sequences (incl. an empty INT2 part and an empty BF16 part); GPU: long ones
@@ -92,4 +91,18 @@ def test_decode_cuda_graph_replay():
     out.fill_(float("nan"))
     graph.replay()
     ref = decode_int2_ref(q, *cache.args())
+    assert rel_err(out, ref) <= MAX_REL
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the PTX unpack runs on CUDA only")
+@pytest.mark.parametrize("ptx_unpack", [False, True])
+def test_decode_unpack_paths(ptx_unpack):
+    gen = torch.Generator().manual_seed(29)
+    d, gqa = 128, 4
+    cache = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen)
+    q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.bfloat16)
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    decode_int2(q, *cache.args(), max_kv_len=max(INT2_LENS), out=out, ptx_unpack=ptx_unpack)
+    ref = decode_int2_ref(q, *cache.args())
+    torch.testing.assert_close(out, ref, **TOL)
     assert rel_err(out, ref) <= MAX_REL

@@ -3,7 +3,6 @@
 import pytest
 import torch
 from int2_cache import DEVICE, ON_GPU, make_cache, rel_err
-
 from oscar_kernels import extend_int2, extend_int2_ref
 
 NEW_LENS = [130, 1, 67] if ON_GPU else [9, 1, 20]

@@ -3,7 +3,6 @@
 import pytest
 import torch
 from int2_cache import DEVICE, ON_GPU, random_rotation
-
 from oscar_kernels import dequantize_ref, pack_ref, quantize_pack, quantize_pack_ref, unpack_ref
 
 N_TOK = 1031 if ON_GPU else 37  # odd, spans several token blocks
@@ -79,7 +78,7 @@ def test_kernel_prerotated_is_bit_exact(d, group, dtype):
     want = tuple(t.clone() for t in got)
     quantize_pack(x, None, 0.9, *got, loc, g)
     quantize_pack_ref(x, None, 0.9, *want, loc, g)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0)))
     free = torch.ones(slots, dtype=torch.bool, device=DEVICE)
     free[loc] = False
