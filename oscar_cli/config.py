@@ -43,13 +43,20 @@ class QuantConfig:
 
 @dataclass(frozen=True)
 class CollectConfig:
-    """Calibration pass: which text, how many tokens, how it is cut."""
+    """Calibration pass: which text, how many tokens, how it is cut.
+
+    ``reservoir``: tokens whose q/k/v rows are kept for fitting clip ratios and for ``inspect``.
+    ``skip``: the first positions of every window are left out of the statistics: they are attention sinks with
+    outlier keys, and every cache configuration keeps at least that many sink tokens in BF16 (the smallest sink
+    we ship is 16), so fitting to them would spend the rotation on rows that are never quantized.
+    """
 
     data: str = "builtin:pydoc"
     tokens: int = 16384
     seq_len: int = 512
     batch_size: int = 4
-    reservoir: int = 1024
+    reservoir: int = 512
+    skip: int = 16
     seed: int = 0
 
     def __post_init__(self) -> None:

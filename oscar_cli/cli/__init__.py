@@ -1,0 +1,8 @@
+"""``oscar`` command line: one module per command, registered on the shared app."""
+
+from . import collect, fit, inspect  # noqa: F401  (register commands)
+from ._app import app
+
+
+def main() -> None:
+    app()

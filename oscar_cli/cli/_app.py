@@ -1,0 +1,70 @@
+"""The Typer app, shared option aliases and the error boundary.
+
+A command parses, builds a config, calls the library and renders; heavy imports happen inside commands.
+Errors the user can fix (:class:`oscar_cli.errors.OscarError`) print one line and exit 1; ``OSCAR_DEBUG=1`` shows
+the traceback. Usage errors exit 2 (Typer's default).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from ..config import DEFAULT_ARTIFACTS, DEFAULT_MODEL, DEFAULT_STORE
+from ..errors import OscarError
+
+app = typer.Typer(
+    name="oscar",
+    help="OSCAR-KV: calibrate, fit, inspect and evaluate INT2 KV-cache rotations.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+out = Console()
+
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help=f"Hub id, local model folder, local .gguf file, or the embedded default '{DEFAULT_MODEL}'.",
+    ),
+]
+StoreOpt = Annotated[Path, typer.Option("--store", help="Store folder (DuckDB database and converted models).")]
+ArtifactsOpt = Annotated[Path, typer.Option("--artifacts", help="Folder that holds artifacts/<model>/v<N>/.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="Recipe YAML (recipes/<model>.yaml); flags override it.")]
+
+DEFAULTS = {"model": DEFAULT_MODEL, "store": DEFAULT_STORE, "artifacts": DEFAULT_ARTIFACTS}
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def guarded(fn):
+    """Turn OscarError (and interrupts) into a one-line message and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except OscarError as e:
+            if os.environ.get("OSCAR_DEBUG") == "1":
+                raise
+            raise fail(str(e)) from None
+        except KeyboardInterrupt:
+            console.print("interrupted; the store keeps every completed batch (resume with --resume)")
+            sys.exit(130)
+
+    return wrapper

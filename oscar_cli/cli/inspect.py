@@ -1,0 +1,70 @@
+"""``oscar inspect``: what an artifact holds and how well it is predicted to quantize."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ._app import DEFAULTS, JsonOpt, StoreOpt, app, guarded, out
+
+
+@app.command("inspect")
+@guarded
+def inspect(
+    artifact: Annotated[str, typer.Argument(help="'latest', v<N>, <model>/v<N>, an artifact id or a folder.")] = "latest",
+    store: StoreOpt = DEFAULTS["store"],
+    json_out: JsonOpt = False,
+    plot: Annotated[Path | None, typer.Option(help="Write spectra and per-layer distortion to this PNG.")] = None,
+) -> None:
+    """Per layer: spectrum concentration, clip ratios, orthogonality error and predicted INT2 distortion.
+
+    Example: oscar inspect latest --plot inspect.png
+    """
+    import json
+
+    from rich.table import Table
+
+    from ..artifact import load_artifact
+    from ..jobs import SUMMARY_KEYS, inspect_report, plot_report
+
+    SHORT = ("ident", "had", "had+clip", "oscar")
+    from ..store import Store
+
+    path = Path(artifact) if Path(artifact).is_dir() else Store(store, create=False).resolve_artifact(artifact)
+    report = inspect_report(load_artifact(path))
+    if plot is not None:
+        plot_report(report, plot)
+    if json_out:
+        out.print_json(json.dumps(report))
+        return
+    q = report["quant"]
+    out.print(f"[bold]{report['name']}[/] method={report['method']} bits={q['bits']} group={q['group'] or 'row'} "
+              f"sink={q['sink']} recent={q['recent']} per_head={report['per_head']} run={report['run_id']}")
+    out.print(f"model {report['model_slug']} {report['model_fingerprint']}  content {report['content_hash'][:16]}")
+    rt = Table(title="rotations")
+    for col in ("layer", "K top-1/8 energy", "V top-1/8 energy", "K eff. rank", "V eff. rank", "clip K", "clip V",
+                "orth. error"):
+        rt.add_column(col, justify="right")
+    dt = Table(title="predicted INT2 distortion, held-out rows (relative, lower is better)")
+    for col in ("layer", *(f"K {k}" for k in SHORT), *(f"V {k}" for k in SHORT)):
+        dt.add_column(col, justify="right")
+    for r in report["layers"]:
+        sk, sv = r["spectrum_k"], r["spectrum_v"]
+        rt.add_row(str(r["layer"]), f"{sk['top_eighth_energy']:.2f}", f"{sv['top_eighth_energy']:.2f}",
+                   f"{sk['effective_rank']:.1f}", f"{sv['effective_rank']:.1f}",
+                   "/".join(f"{c:.3f}" for c in r["clip_k"]), "/".join(f"{c:.3f}" for c in r["clip_v"]),
+                   f"{r['orthogonality_error']:.1e}")
+        dt.add_row(str(r["layer"]), *(f"{r['distortion_k'][k]:.3f}" for k in SUMMARY_KEYS),
+                   *(f"{r['distortion_v'][k]:.3f}" for k in SUMMARY_KEYS))
+    out.print(rt)
+    out.print(dt)
+    for kv, label in (("distortion_k", "keys"), ("distortion_v", "values")):
+        s = report["summary"][kv]
+        m = s["mean"]
+        wins = ", ".join(f"{k} on {v}/{s['layers']}" for k, v in s["artifact_better_layers"].items())
+        ratios = ", ".join(f"{m['artifact'] / m[k]:.2f}x {k}" for k in SUMMARY_KEYS if k != "artifact")
+        out.print(f"{label}: mean distortion {m['artifact']:.4f} = {ratios}; better than {wins} layers")
+    if plot is not None:
+        out.print(f"plot written to {plot}")

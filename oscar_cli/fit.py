@@ -1,0 +1,222 @@
+"""Fitting: rotations from target covariances, clip ratios from held-out rows (pure torch: no files, no DuckDB).
+
+Distortion metrics (what a clip ratio is chosen to minimise, and what ``inspect`` reports), on rows of one layer:
+
+* keys: ``D_K = E[(q · (k - k̂))²] / E[(q · k)²] = E[Δkᵀ C_Q Δk] / E[kᵀ C_Q k]`` — the relative error of the
+  attention logits, with the expectation over queries taken through C_Q of the reading query heads;
+* values: ``D_V = Σ_t w_t ‖v_t - v̂_t‖² / Σ_t w_t ‖v_t‖²`` with ``w_t = k_t C_Q k_tᵀ`` — the score-weighted relative
+  error (tokens that attract large logits weigh more), the same weighting as the value target C_S.
+
+``k̂ = dequant(quant(k R, clip)) Rᵀ``. Rows come from the calibration reservoir, split by priority rank: even ranks
+fit the clip ratios, odd ranks are held out for the reported numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import rotation as rot
+from .config import FIT_METHODS, FitConfig
+from .quantizer import fake_quant
+
+HADAMARD_SEED = 0
+"""Seed of the random signs of the data-free Hadamard baseline (fixed so that every artifact and report agree)."""
+
+
+@dataclass
+class LayerData:
+    """One layer's calibration data. Covariances ``[H, d, d]`` float64 (``H`` KV heads); rows float32
+    ``[n, H, d]`` (``q_rows``: ``[n, n_heads, d]``)."""
+
+    cq: torch.Tensor
+    ck: torch.Tensor
+    cv: torch.Tensor
+    cs: torch.Tensor
+    co: torch.Tensor
+    k_rows: torch.Tensor
+    v_rows: torch.Tensor
+    q_rows: torch.Tensor | None = None
+
+    def split(self) -> tuple[LayerData, LayerData]:
+        """(fit half, held-out half) of the rows; rows are assumed sorted by reservoir priority."""
+        def take(sl):
+            return LayerData(self.cq, self.ck, self.cv, self.cs, self.co, self.k_rows[sl], self.v_rows[sl],
+                             None if self.q_rows is None else self.q_rows[sl])
+
+        return take(slice(0, None, 2)), take(slice(1, None, 2))
+
+
+@dataclass
+class LayerFit:
+    r_k: torch.Tensor  # [h, d, d] float64
+    r_v: torch.Tensor
+    clip_k: torch.Tensor  # [h] float64
+    clip_v: torch.Tensor
+    eig_k: torch.Tensor  # [h, d]
+    eig_v: torch.Tensor
+    metrics: dict = field(default_factory=dict)
+
+
+def _heads(r: torch.Tensor, n_heads: int) -> torch.Tensor:
+    return r.expand(n_heads, -1, -1) if r.shape[0] == 1 else r
+
+
+def roundtrip(rows: torch.Tensor, r: torch.Tensor, clip: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Quantize rows in the rotated basis and rotate back, for several clip candidates at once.
+
+    rows ``[n, H, d]``; r ``[h, d, d]`` (h = 1 or H); clip ``[C, h]`` -> float64 ``[C, n, H, d]``.
+    """
+    H = rows.shape[1]
+    r = _heads(r.double(), H)
+    clip = clip.double().expand(clip.shape[0], H)
+    x = torch.einsum("nhd,hde->nhe", rows.double(), r)
+    xq = fake_quant(x.unsqueeze(0), clip.view(-1, 1, H, 1), bits=bits, group=group)  # [C, n, H, d]
+    return torch.einsum("cnhe,hde->cnhd", xq.double(), r)
+
+
+def key_distortion(data: LayerData, r, clip, bits: int, group: int) -> torch.Tensor:
+    """Relative logit error D_K per clip candidate and head: clip ``[C, h]`` -> ``[C, H]``."""
+    k = data.k_rows.double()
+    dk = k.unsqueeze(0) - roundtrip(k, r, clip, bits, group)
+    num = torch.einsum("cnhd,hde,cnhe->ch", dk, data.cq, dk)
+    den = torch.einsum("nhd,hde,nhe->h", k, data.cq, k)
+    return num / den
+
+
+def value_distortion(data: LayerData, r, clip, bits: int, group: int) -> torch.Tensor:
+    """Score-weighted relative value error D_V per clip candidate and head: clip ``[C, h]`` -> ``[C, H]``."""
+    k, v = data.k_rows.double(), data.v_rows.double()
+    w = torch.einsum("nhd,hde,nhe->nh", k, data.cq, k)
+    dv = v.unsqueeze(0) - roundtrip(v, r, clip, bits, group)
+    num = (w * dv.pow(2).sum(-1)).sum(1)
+    den = (w * v.pow(2).sum(-1)).sum(0)
+    return num / den
+
+
+def pooled(per_head: torch.Tensor, data: LayerData, kind: str) -> torch.Tensor:
+    """Pool per-head relative distortions ``[C, H]`` into one number per candidate, weighting heads by their
+    signal energy (so the pooled value is the relative error of all heads together)."""
+    k = data.k_rows.double()
+    w = torch.einsum("nhd,hde,nhe->nh", k, data.cq, k)
+    energy = w.sum(0) if kind == "k" else (w * data.v_rows.double().pow(2).sum(-1)).sum(0)
+    return (per_head * energy).sum(-1) / energy.sum()
+
+
+def fit_clip(metric, data: LayerData, kind: str, r: torch.Tensor, grid: tuple[float, ...], per_head: bool
+             ) -> tuple[torch.Tensor, list]:
+    """Grid search of the clip ratio minimising ``metric(r, clip [C, h]) -> [C, H]``.
+
+    Returns (clip ``[h]`` float64, curve as a list of (ratio, pooled distortion)). Shared rotations get one
+    ratio per layer.
+    """
+    g = torch.tensor(grid, dtype=torch.float64)
+    curves = metric(r, g.view(-1, 1))  # [C, H]
+    total = pooled(curves, data, kind)
+    curve = [(c, v.item()) for c, v in zip(grid, total, strict=True)]
+    if per_head:
+        return g[curves.argmin(0)], curve
+    return g[total.argmin()].view(1), curve
+
+
+def method_rotations(data: LayerData, method: str, group: int, per_head: bool) -> tuple[torch.Tensor, ...]:
+    """``(r_k, r_v, eig_k, eig_v)`` for one layer: rotations ``[h, d, d]`` and target eigenvalues ``[h, d]``."""
+    kb, vb, use_p, use_h, signs = FIT_METHODS[method]
+    covs = {"q": data.cq, "k": data.ck, "v": data.cv, "s": data.cs, "o": data.co}
+    H, d = data.cq.shape[0], data.cq.shape[-1]
+
+    def per(c: torch.Tensor) -> torch.Tensor:
+        return c if per_head else c.mean(0, keepdim=True)
+
+    def build(basis: str | None, fallback: str) -> tuple[torch.Tensor, torch.Tensor]:
+        target = per(covs[basis or fallback])
+        rs, es = [], []
+        for c in target:
+            es.append(rot.eigh_desc(c)[0])
+            rs.append(rot.compose(c, use_u=basis is not None, use_p=use_p, use_h=use_h, group=group,
+                                  signs_seed=HADAMARD_SEED if signs else None))
+        return torch.stack(rs), torch.stack(es)
+
+    r_k, e_k = build(kb, "q")
+    r_v, e_v = build(vb, "s")
+    assert r_k.shape[-1] == d and r_k.shape[0] in (1, H)
+    return r_k, r_v, e_k, e_v
+
+
+def spectrum_summary(evals: torch.Tensor) -> dict:
+    """Concentration of a descending spectrum ``[d]``: energy in the top d/8 directions, effective rank."""
+    e = evals.double().clamp_min(0)
+    total = e.sum().clamp_min(1e-300)
+    p = e / total
+    top = max(1, e.numel() // 8)
+    entropy = -(p[p > 0] * p[p > 0].log()).sum().item()
+    return {"top_eighth_energy": (e[:top].sum() / total).item(), "effective_rank": math.exp(entropy)}
+
+
+def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int) -> LayerFit:
+    """Rotations, clip ratios and held-out distortion report for one layer."""
+    q = cfg.quant
+    group = q.group_for(head_dim)
+    H = data.cq.shape[0]
+    fit_half, held = data.split()
+    r_k, r_v, e_k, e_v = method_rotations(data, cfg.method, group, cfg.per_head)
+    h = r_k.shape[0]
+
+    def kmetric(half):
+        return lambda r, c: key_distortion(half, r, c, q.bits, group)
+
+    def vmetric(half):
+        return lambda r, c: value_distortion(half, r, c, q.bits, group)
+
+    one = torch.ones(h, dtype=torch.float64)
+    if cfg.fit_clip:
+        clip_k, curve_k = fit_clip(kmetric(fit_half), fit_half, "k", r_k, cfg.clip_grid, cfg.per_head)
+        clip_v, curve_v = fit_clip(vmetric(fit_half), fit_half, "v", r_v, cfg.clip_grid, cfg.per_head)
+    else:
+        clip_k, clip_v, curve_k, curve_v = one, one, [], []
+    clip_k, clip_v = clip_k.expand(h).clone(), clip_v.expand(h).clone()
+
+    # Baselines on the held-out half: identity and Hadamard at plain min/max, Hadamard with its own fitted clip.
+    eye = torch.eye(head_dim, dtype=torch.float64).unsqueeze(0)
+    had = rot.compose(eye[0], use_u=False, use_p=False, use_h=True, group=group, signs_seed=HADAMARD_SEED)[None]
+    hk, _ = fit_clip(kmetric(fit_half), fit_half, "k", had, cfg.clip_grid, False)
+    hv, _ = fit_clip(vmetric(fit_half), fit_half, "v", had, cfg.clip_grid, False)
+    one1 = torch.ones(1, dtype=torch.float64)
+
+    def held_out(kind, r, c):
+        metric = kmetric(held) if kind == "k" else vmetric(held)
+        return pooled(metric(r, c.view(1, -1)), held, kind).item()
+
+    metrics = {
+        f"distortion_{kind}": {
+            "identity": held_out(kind, eye, one1),
+            "hadamard": held_out(kind, had, one1),
+            "hadamard_clip": held_out(kind, had, hk if kind == "k" else hv),
+            "artifact": held_out(kind, r_k if kind == "k" else r_v, clip_k if kind == "k" else clip_v),
+        }
+        for kind in ("k", "v")
+    }
+    metrics.update({
+        "clip_curve_k": curve_k,
+        "clip_curve_v": curve_v,
+        "spectrum_k": spectrum_summary(e_k.mean(0)),
+        "spectrum_v": spectrum_summary(e_v.mean(0)),
+        "orthogonality_error": max(rot.orthogonality_error(m) for m in (*r_k, *r_v)),
+        "held_out_rows": int(held.k_rows.shape[0]),
+    })
+    return LayerFit(r_k, r_v, clip_k, clip_v, e_k, e_v, metrics)
+
+
+def stack_fits(layers: list[int], fits: list[LayerFit]) -> dict[str, torch.Tensor]:
+    """Artifact tensors (fp32) from per-layer fits."""
+    return {
+        "layers": torch.tensor(layers, dtype=torch.int64),
+        "r_k": torch.stack([f.r_k for f in fits]).float(),
+        "r_v": torch.stack([f.r_v for f in fits]).float(),
+        "clip_k": torch.stack([f.clip_k for f in fits]).float(),
+        "clip_v": torch.stack([f.clip_v for f in fits]).float(),
+        "eig_k": torch.stack([f.eig_k for f in fits]).float(),
+        "eig_v": torch.stack([f.eig_v for f in fits]).float(),
+    }

@@ -1,0 +1,163 @@
+"""The fit and inspect jobs: read a run from the store, call the math in fit.py, write/read artifacts.
+
+This is the glue between the store (collect's output) and artifacts; the math lives in :mod:`oscar_cli.fit`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from . import artifact as art
+from .collect import StatsAccumulator
+from .config import FitConfig, parse_layers
+from .fit import LayerData, LayerFit, fit_layer, stack_fits
+from .models import AttentionShape
+from .store import Run, Store
+
+SUMMARY_KEYS = ("identity", "hadamard", "hadamard_clip", "artifact")
+
+
+def layer_data(store: Store, run: Run, layer: int, acc: StatsAccumulator) -> LayerData:
+    """Covariances and reservoir rows of one layer, as fit.py wants them."""
+    shape = AttentionShape(**run.shape)
+    H, d = shape.n_kv_heads, shape.head_dim
+    samples = store.load_samples(run.run_id, layer=layer)
+    if (layer, "k") not in samples:
+        raise art.ArtifactError(f"run {run.run_id} has no reservoir rows for layer {layer}; re-run `oscar collect`")
+
+    def rows(kind: str, heads: int) -> torch.Tensor:
+        return torch.from_numpy(samples[(layer, kind)][2]).view(-1, heads, d)
+
+    return LayerData(
+        cq=acc.covariance("q")[layer], ck=acc.covariance("k")[layer], cv=acc.covariance("v")[layer],
+        cs=acc.covariance("s")[layer], co=acc.covariance("o")[layer],
+        k_rows=rows("k", H), v_rows=rows("v", H), q_rows=rows("q", shape.n_heads),
+    )
+
+
+def run_fit(
+    store: Store,
+    run_ref: str,
+    cfg: FitConfig,
+    artifacts_root: Path,
+    recipe_text: str,
+    model_slug: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Path, dict]:
+    """Fit every selected layer of a complete run and write a new artifact version. Returns (folder, manifest)."""
+    run = store.get_run(run_ref, model_slug)
+    if run.status != "complete":
+        raise art.ArtifactError(
+            f"run {run.run_id} is {run.status} ({run.batches_done}/{run.num_batches} batches); "
+            "finish it with `oscar collect --resume` first"
+        )
+    shape = AttentionShape(**run.shape)
+    layers = parse_layers(cfg.layers, shape.n_layers)
+    cfg.quant.group_for(shape.head_dim)  # validate the group against the head dim before any work
+    acc = StatsAccumulator(shape)
+    acc.load_rows(store.load_stats(run.run_id))
+    fits: list[LayerFit] = []
+    for i, layer in enumerate(layers):
+        fits.append(fit_layer(layer_data(store, run, layer, acc), cfg, shape.head_dim))
+        if progress:
+            progress(i + 1, len(layers))
+    per_layer = {str(layer): f.metrics for layer, f in zip(layers, fits, strict=True)}
+    manifest = {
+        "model_slug": run.model_slug,
+        "model_fingerprint": run.model_fingerprint,
+        "run_id": run.run_id,
+        "stats_digest": run.data_digest,
+        "calibration_tokens": run.tokens,
+        "method": cfg.method,
+        "per_head": cfg.per_head,
+        "layers": layers,
+        "shape": run.shape,
+        "quant": asdict(cfg.quant),
+        "fit": {"fit_clip": cfg.fit_clip, "clip_grid": list(cfg.clip_grid), "layers": cfg.layers},
+        "metrics": {"per_layer": per_layer, "summary": summarize(per_layer)},
+    }
+    path = art.write_artifact(artifacts_root, run.model_slug, stack_fits(layers, fits), manifest, recipe_text)
+    manifest = art.load_artifact(path).manifest
+    try:
+        store.register_artifact(path, manifest)
+    except BaseException:
+        art.remove_artifact(path)
+        raise
+    return path, manifest
+
+
+def summarize(per_layer: dict) -> dict:
+    """Mean distortions over layers and how many layers the artifact beats each baseline on."""
+    out: dict = {}
+    for kv in ("distortion_k", "distortion_v"):
+        rows = [m[kv] for m in per_layer.values()]
+        mean = {k: sum(r[k] for r in rows) / len(rows) for k in SUMMARY_KEYS}
+        wins = {k: sum(r["artifact"] < r[k] for r in rows) for k in SUMMARY_KEYS if k != "artifact"}
+        out[kv] = {"mean": mean, "artifact_better_layers": wins, "layers": len(rows)}
+    return out
+
+
+def inspect_report(artifact: art.Artifact) -> dict:
+    """Everything ``oscar inspect`` shows, from the artifact alone (its tensors and fit-time metrics)."""
+    from .fit import spectrum_summary
+    from .rotation import orthogonality_error
+
+    m = artifact.manifest
+    t = artifact.tensors
+    layers = []
+    for i, layer in enumerate(artifact.layers):
+        fm = m["metrics"]["per_layer"][str(layer)]
+        layers.append({
+            "layer": layer,
+            "spectrum_k": spectrum_summary(t["eig_k"][i].mean(0)),
+            "spectrum_v": spectrum_summary(t["eig_v"][i].mean(0)),
+            "clip_k": t["clip_k"][i].tolist(),
+            "clip_v": t["clip_v"][i].tolist(),
+            "orthogonality_error": max(orthogonality_error(r) for r in (*t["r_k"][i], *t["r_v"][i])),
+            "distortion_k": fm["distortion_k"],
+            "distortion_v": fm["distortion_v"],
+        })
+    return {
+        "artifact": str(artifact.path),
+        "name": artifact.name,
+        "method": m["method"],
+        "model_slug": m["model_slug"],
+        "model_fingerprint": m["model_fingerprint"],
+        "run_id": m.get("run_id"),
+        "quant": m["quant"],
+        "per_head": m.get("per_head", False),
+        "content_hash": m["content_hash"],
+        "created": m.get("created"),
+        "layers": layers,
+        "summary": m["metrics"]["summary"],
+    }
+
+
+def plot_report(report: dict, path: Path) -> None:
+    """Spectra concentration and per-layer distortion, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = [r["layer"] for r in report["layers"]]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    ax.plot(layers, [r["spectrum_k"]["top_eighth_energy"] for r in report["layers"]], "o-", label="key target")
+    ax.plot(layers, [r["spectrum_v"]["top_eighth_energy"] for r in report["layers"]], "s-", label="value target")
+    ax.set(title="energy in the top d/8 eigen-directions", xlabel="layer", ylim=(0, 1))
+    ax.legend()
+    for ax, kv, title in ((axes[1], "distortion_k", "key: relative logit error"),
+                          (axes[2], "distortion_v", "value: score-weighted relative error")):
+        for k in SUMMARY_KEYS:
+            ax.plot(layers, [r[kv][k] for r in report["layers"]], "o-", ms=3, label=k)
+        ax.set(title=title, xlabel="layer", yscale="log")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report['name']} ({report['method']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,372 @@
+"""The DuckDB store (the only module that imports duckdb).
+
+``<store>/oscar.duckdb`` holds
+
+* ``runs``: one row per calibration run: model slug and fingerprint, data spec and digest, tokens, seq len, batch
+  size, progress (``batches_done``), ``status`` (running / complete / failed), the owning process, config JSON;
+* ``stats``: float64 accumulators per (run, layer, head, kind): ``count`` (rows), ``weight`` (sum of weights),
+  ``mat`` (the d×d sum of outer products, row-major);
+* ``samples``: the bounded reservoir, one row per (run, layer, kind, token) with all heads of that token concatenated
+  (``kind`` q: ``[n_heads * d]``; k, v: ``[n_kv_heads * d]``) and the token's sampling priority;
+* ``artifacts``: every artifact written by ``oscar fit`` (path, version, method, fingerprint, content hash);
+* ``evals``: one row per metric from ``oscar eval``.
+
+Every write is one transaction on a short-lived connection, so a killed process leaves the store as it was after the
+last completed batch, and readers can open the store between a writer's batches. When another process holds the
+database, operations wait up to ``lock_timeout`` seconds and then fail with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import OscarError
+
+DB_FILE = "oscar.duckdb"
+SCHEMA = """
+CREATE SEQUENCE IF NOT EXISTS run_ids START 1;
+CREATE TABLE IF NOT EXISTS runs (
+    run_id BIGINT PRIMARY KEY, created TIMESTAMP, model_slug VARCHAR, model_fingerprint VARCHAR,
+    data_spec VARCHAR, data_digest VARCHAR, tokens BIGINT, seq_len INTEGER, batch_size INTEGER,
+    num_batches INTEGER, batches_done INTEGER, tokens_done BIGINT, status VARCHAR, owner_pid INTEGER,
+    owner_host VARCHAR, config JSON, shape JSON, updated TIMESTAMP);
+CREATE TABLE IF NOT EXISTS stats (
+    run_id BIGINT, layer INTEGER, head INTEGER, kind VARCHAR, count DOUBLE, weight DOUBLE, mat DOUBLE[]);
+CREATE TABLE IF NOT EXISTS samples (
+    run_id BIGINT, layer INTEGER, kind VARCHAR, token BIGINT, priority DOUBLE, row FLOAT[]);
+CREATE SEQUENCE IF NOT EXISTS artifact_ids START 1;
+CREATE TABLE IF NOT EXISTS artifacts (
+    artifact_id BIGINT PRIMARY KEY, created TIMESTAMP, model_slug VARCHAR, version INTEGER, path VARCHAR,
+    run_id BIGINT, method VARCHAR, model_fingerprint VARCHAR, content_hash VARCHAR, manifest JSON);
+CREATE SEQUENCE IF NOT EXISTS eval_ids START 1;
+CREATE TABLE IF NOT EXISTS evals (
+    eval_id BIGINT PRIMARY KEY, created TIMESTAMP, model_fingerprint VARCHAR, model_slug VARCHAR, method VARCHAR,
+    artifact VARCHAR, task VARCHAR, metric VARCHAR, value DOUBLE, config JSON, bits_per_element DOUBLE,
+    lm_eval_version VARCHAR);
+"""
+
+
+class StoreError(OscarError):
+    pass
+
+
+@dataclass(frozen=True)
+class Run:
+    run_id: int
+    model_slug: str
+    model_fingerprint: str
+    data_spec: str
+    data_digest: str
+    tokens: int
+    seq_len: int
+    batch_size: int
+    num_batches: int
+    batches_done: int
+    tokens_done: int
+    status: str
+    owner_pid: int | None
+    owner_host: str | None
+    config: dict
+    shape: dict
+
+
+_RUN_COLS = [f for f in Run.__dataclass_fields__]
+
+
+def _host() -> str:
+    return os.uname().nodename
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Store:
+    """A store folder. Every public method opens, uses and closes its own connection."""
+
+    def __init__(self, root: Path, lock_timeout: float = 60.0, create: bool = True):
+        self.root = Path(root)
+        self.path = self.root / DB_FILE
+        self.lock_timeout = lock_timeout
+        if not create and not self.path.is_file():
+            raise StoreError(f"no store at {self.root}; run `oscar collect` first or pass --store")
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with self._connect() as con:
+                con.execute(SCHEMA)
+
+    @contextmanager
+    def _connect(self, read_only: bool = False):
+        import duckdb
+
+        deadline = time.monotonic() + self.lock_timeout
+        delay = 0.05
+        while True:
+            try:
+                con = duckdb.connect(str(self.path), read_only=read_only and self.path.is_file())
+                break
+            except duckdb.IOException as e:
+                msg = str(e)
+                if "lock" not in msg.lower():
+                    raise StoreError(f"cannot open store {self.path}: {msg.splitlines()[0]}") from None
+                if time.monotonic() > deadline:
+                    raise StoreError(
+                        f"store {self.path} is busy: another oscar process holds it for more than "
+                        f"{self.lock_timeout:.0f} s; wait for it to finish or pass a different --store"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        try:
+            yield con
+        finally:
+            con.close()
+
+    @contextmanager
+    def transaction(self):
+        with self._connect() as con:
+            con.execute("BEGIN TRANSACTION")
+            try:
+                yield con
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            con.execute("COMMIT")
+
+    # ---------------------------------------------------------------- runs
+    def create_run(self, *, model_slug, model_fingerprint, data_spec, data_digest, tokens, seq_len, batch_size,
+                   num_batches, config: dict, shape: dict) -> int:
+        with self.transaction() as con:
+            run_id = con.execute("SELECT nextval('run_ids')").fetchone()[0]
+            con.execute(
+                "INSERT INTO runs VALUES (?, now(), ?, ?, ?, ?, ?, ?, ?, ?, 0, 0, 'running', ?, ?, ?, ?, now())",
+                [run_id, model_slug, model_fingerprint, data_spec, data_digest, tokens, seq_len, batch_size,
+                 num_batches, os.getpid(), _host(), json.dumps(config), json.dumps(shape)],
+            )
+        return int(run_id)
+
+    def get_run(self, ref: str | int = "latest", model_slug: str | None = None) -> Run:
+        """A run by id, or ``latest`` (the newest complete run, of ``model_slug`` if given)."""
+        with self._connect(read_only=True) as con:
+            cols = ", ".join(_RUN_COLS)
+            if str(ref) == "latest":
+                q = f"SELECT {cols} FROM runs WHERE status = 'complete'"
+                args: list = []
+                if model_slug:
+                    q += " AND model_slug = ?"
+                    args.append(model_slug)
+                row = con.execute(q + " ORDER BY run_id DESC LIMIT 1", args).fetchone()
+                if row is None:
+                    raise StoreError(f"no complete calibration run in {self.root}; run `oscar collect` first")
+            else:
+                try:
+                    rid = int(ref)
+                except ValueError:
+                    raise StoreError(f"--run {ref!r} is not a run id or 'latest'") from None
+                row = con.execute(f"SELECT {cols} FROM runs WHERE run_id = ?", [rid]).fetchone()
+                if row is None:
+                    raise StoreError(f"run {rid} does not exist in {self.root}; `oscar runs` lists them")
+        d = dict(zip(_RUN_COLS, row, strict=True))
+        d["config"], d["shape"] = json.loads(d["config"]), json.loads(d["shape"])
+        return Run(**d)
+
+    def list_runs(self) -> list[Run]:
+        with self._connect(read_only=True) as con:
+            ids = [r[0] for r in con.execute("SELECT run_id FROM runs ORDER BY run_id").fetchall()]
+        return [self.get_run(i) for i in ids]
+
+    def find_resumable(self, model_fingerprint: str, data_digest: str, seq_len: int, batch_size: int) -> Run | None:
+        """The newest unfinished run with the same model, data and batching."""
+        with self._connect(read_only=True) as con:
+            row = con.execute(
+                "SELECT run_id FROM runs WHERE status <> 'complete' AND model_fingerprint = ? AND data_digest = ? "
+                "AND seq_len = ? AND batch_size = ? ORDER BY run_id DESC LIMIT 1",
+                [model_fingerprint, data_digest, seq_len, batch_size],
+            ).fetchone()
+        return self.get_run(row[0]) if row else None
+
+    def claim_run(self, run: Run) -> None:
+        """Take ownership of an unfinished run; refuse if a live process on this host owns it."""
+        if run.status == "running" and run.owner_host == _host() and run.owner_pid != os.getpid() \
+                and _pid_alive(run.owner_pid):
+            raise StoreError(
+                f"run {run.run_id} is being collected by process {run.owner_pid}; wait for it or stop it first"
+            )
+        with self.transaction() as con:
+            con.execute("UPDATE runs SET status = 'running', owner_pid = ?, owner_host = ?, updated = now() "
+                        "WHERE run_id = ?", [os.getpid(), _host(), run.run_id])
+
+    def set_status(self, run_id: int, status: str) -> None:
+        with self.transaction() as con:
+            con.execute("UPDATE runs SET status = ?, updated = now() WHERE run_id = ?", [status, run_id])
+
+    # ---------------------------------------------------------------- statistics
+    def save_batch(self, run_id: int, batches_done: int, tokens_done: int, stats: dict, samples: dict | None,
+                   sample_threshold: float | None) -> None:
+        """Replace the run's accumulators with ``stats`` and merge reservoir changes, in one transaction.
+
+        ``stats``: {(layer, head, kind): (count, weight, float64 [d, d])}. ``samples``: {(layer, kind): (tokens int64
+        [n], priorities float64 [n], rows float32 [n, w])} of rows that entered the reservoir; rows whose priority is
+        above ``sample_threshold`` are evicted.
+        """
+        import pyarrow as pa
+
+        keys = list(stats)
+        stat_table = pa.table({
+            "run_id": pa.array([run_id] * len(keys), pa.int64()),
+            "layer": pa.array([k[0] for k in keys], pa.int32()),
+            "head": pa.array([k[1] for k in keys], pa.int32()),
+            "kind": pa.array([k[2] for k in keys], pa.string()),
+            "count": pa.array([float(stats[k][0]) for k in keys], pa.float64()),
+            "weight": pa.array([float(stats[k][1]) for k in keys], pa.float64()),
+            "mat": pa.array([np.ascontiguousarray(stats[k][2], dtype=np.float64).reshape(-1) for k in keys],
+                            pa.list_(pa.float64())),
+        })
+        sample_table = None
+        if samples:
+            cols: dict[str, list] = {"layer": [], "kind": [], "token": [], "priority": [], "row": []}
+            for (layer, kind), (tok, pri, rows) in samples.items():
+                n = len(tok)
+                cols["layer"].append(np.full(n, layer, np.int32))
+                cols["kind"].extend([kind] * n)
+                cols["token"].append(np.asarray(tok, np.int64))
+                cols["priority"].append(np.asarray(pri, np.float64))
+                cols["row"].extend(np.asarray(rows, np.float32))
+            sample_table = pa.table({
+                "run_id": pa.array(np.full(len(cols["kind"]), run_id, np.int64)),
+                "layer": pa.array(np.concatenate(cols["layer"])),
+                "kind": pa.array(cols["kind"], pa.string()),
+                "token": pa.array(np.concatenate(cols["token"])),
+                "priority": pa.array(np.concatenate(cols["priority"])),
+                "row": pa.array(cols["row"], pa.list_(pa.float32())),
+            })
+        with self.transaction() as con:
+            con.execute("DELETE FROM stats WHERE run_id = ?", [run_id])
+            con.register("stat_batch", stat_table)
+            con.execute("INSERT INTO stats SELECT * FROM stat_batch")
+            if sample_threshold is not None:
+                con.execute("DELETE FROM samples WHERE run_id = ? AND priority > ?", [run_id, sample_threshold])
+            if sample_table is not None:
+                con.register("sample_batch", sample_table)
+                con.execute("INSERT INTO samples SELECT * FROM sample_batch")
+            con.execute(
+                "UPDATE runs SET batches_done = ?, tokens_done = ?, updated = now() WHERE run_id = ?",
+                [batches_done, tokens_done, run_id],
+            )
+
+    def load_stats(self, run_id: int) -> dict:
+        """{(layer, head, kind): (count, weight, float64 ndarray [d, d])}."""
+        with self._connect(read_only=True) as con:
+            tab = con.sql(f"SELECT layer, head, kind, count, weight, mat FROM stats WHERE run_id = {int(run_id)}")
+            tab = tab.to_arrow_table()
+        out = {}
+        mats = tab.column("mat").to_pylist()
+        for i, (layer, head, kind, count, weight) in enumerate(zip(
+            tab.column("layer").to_pylist(), tab.column("head").to_pylist(), tab.column("kind").to_pylist(),
+            tab.column("count").to_pylist(), tab.column("weight").to_pylist(), strict=True,
+        )):
+            m = np.asarray(mats[i], dtype=np.float64)
+            d = int(round(len(m) ** 0.5))
+            out[(layer, head, kind)] = (count, weight, m.reshape(d, d))
+        return out
+
+    def load_samples(self, run_id: int, layer: int | None = None) -> dict:
+        """{(layer, kind): (tokens int64 [n], priorities float64 [n], rows float32 [n, w])}, sorted by priority."""
+        q = f"SELECT layer, kind, token, priority, row FROM samples WHERE run_id = {int(run_id)}"
+        if layer is not None:
+            q += f" AND layer = {int(layer)}"
+        with self._connect(read_only=True) as con:
+            tab = con.sql(q + " ORDER BY layer, kind, priority, token").to_arrow_table()
+        out: dict = {}
+        if tab.num_rows == 0:
+            return out
+        layers = np.asarray(tab.column("layer").to_numpy())
+        kinds = np.asarray(tab.column("kind").to_pylist())
+        tokens = np.asarray(tab.column("token").to_numpy())
+        pri = np.asarray(tab.column("priority").to_numpy())
+        rows = tab.column("row").to_pylist()
+        for key in sorted({(int(a), str(b)) for a, b in zip(layers, kinds, strict=True)}):
+            idx = np.flatnonzero((layers == key[0]) & (kinds == key[1]))
+            out[key] = (tokens[idx], pri[idx], np.asarray([rows[i] for i in idx], dtype=np.float32))
+        return out
+
+    # ---------------------------------------------------------------- artifacts
+    def register_artifact(self, path: Path, manifest: dict) -> int:
+        with self.transaction() as con:
+            aid = con.execute("SELECT nextval('artifact_ids')").fetchone()[0]
+            con.execute(
+                "INSERT INTO artifacts VALUES (?, now(), ?, ?, ?, ?, ?, ?, ?, ?)",
+                [aid, manifest["model_slug"], int(Path(path).name[1:]), str(Path(path).resolve()),
+                 manifest.get("run_id"), manifest["method"], manifest["model_fingerprint"],
+                 manifest["content_hash"], json.dumps(manifest)],
+            )
+        return int(aid)
+
+    def list_artifacts(self, model_slug: str | None = None) -> list[dict]:
+        q = "SELECT artifact_id, created, model_slug, version, path, run_id, method, content_hash FROM artifacts"
+        args = []
+        if model_slug:
+            q += " WHERE model_slug = ?"
+            args.append(model_slug)
+        with self._connect(read_only=True) as con:
+            rows = con.execute(q + " ORDER BY artifact_id", args).fetchall()
+        cols = ["artifact_id", "created", "model_slug", "version", "path", "run_id", "method", "content_hash"]
+        return [dict(zip(cols, r, strict=True)) for r in rows]
+
+    def resolve_artifact(self, ref: str, model_slug: str | None = None) -> Path:
+        """``latest``, ``v3``, ``<model>/v3``, a numeric artifact id, or a folder path -> artifact folder."""
+        p = Path(ref)
+        if ref not in ("latest",) and p.is_dir():
+            return p
+        arts = self.list_artifacts(model_slug) if self.path.is_file() else []
+        if ref == "latest":
+            if not arts:
+                who = f" for {model_slug}" if model_slug else ""
+                raise StoreError(f"no artifact{who} registered in {self.root}; run `oscar fit` first")
+            return Path(arts[-1]["path"])
+        slug, _, ver = ref.rpartition("/")
+        for a in reversed(arts):
+            if ref.isdigit() and a["artifact_id"] == int(ref):
+                return Path(a["path"])
+            if ver.startswith("v") and ver[1:].isdigit() and a["version"] == int(ver[1:]) \
+                    and (not slug or a["model_slug"] == slug):
+                return Path(a["path"])
+        raise StoreError(f"artifact {ref!r} not found in {self.root}; use 'latest', v<N>, <model>/v<N> or a folder")
+
+    # ---------------------------------------------------------------- evals
+    def record_evals(self, rows: list[dict]) -> None:
+        with self.transaction() as con:
+            for r in rows:
+                eid = con.execute("SELECT nextval('eval_ids')").fetchone()[0]
+                con.execute(
+                    "INSERT INTO evals VALUES (?, now(), ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [eid, r["model_fingerprint"], r["model_slug"], r["method"], r.get("artifact"), r["task"],
+                     r["metric"], float(r["value"]), json.dumps(r.get("config", {})), r.get("bits_per_element"),
+                     r.get("lm_eval_version")],
+                )
+
+    def list_evals(self, model_slug: str | None = None) -> list[dict]:
+        q = "SELECT eval_id, created, model_slug, method, artifact, task, metric, value, bits_per_element FROM evals"
+        args = []
+        if model_slug:
+            q += " WHERE model_slug = ?"
+            args.append(model_slug)
+        with self._connect(read_only=True) as con:
+            rows = con.execute(q + " ORDER BY eval_id", args).fetchall()
+        cols = ["eval_id", "created", "model_slug", "method", "artifact", "task", "metric", "value",
+                "bits_per_element"]
+        return [dict(zip(cols, r, strict=True)) for r in rows]
