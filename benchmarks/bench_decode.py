@@ -93,31 +93,31 @@ def sdpa_case(bs, ctx, gen):
 
 
 def sweep(gen):
-    """Tile/pipelining/split choices on a few shapes; prints µs for each."""
+    """Tile/pipelining/warps/split choices on a few shapes; prints µs for each."""
     print("\n## sweep (µs, median of CUDA-graph replays)")
     for bs, ctx in [(1, 8192), (1, 131072), (8, 32768), (16, 131072)]:
         case = Int2Case(bs, ctx, gen)
         base = default_num_splits(bs, HKV, case.n2)
         rows = []
         for ptx in (True, False):
-            for bn in (32, 64, 128):
-                for st in (2, 3, 4):
-                    try:
-                        rows.append((graph_us(case.fn(block_n=bn, num_stages=st, ptx_unpack=ptx)), f"ptx={ptx} bn={bn} st={st}"))
-                    except Exception as e:  # a config may not compile (shared memory)
-                        print(f"  bs{bs} ctx{ctx} ptx={ptx} bn={bn} st={st}: {type(e).__name__}")
-        rows.sort()
+            for bn in (64, 128, 256):
+                for st in (2, 3):
+                    for nw in (4, 8):
+                        kw = dict(ptx_unpack=ptx, block_n=bn, num_stages=st, num_warps=nw)
+                        try:
+                            rows.append((graph_us(case.fn(**kw)), kw))
+                        except Exception as e:  # a config may not compile (shared memory)
+                            print(f"  bs{bs} ctx{ctx} {kw}: {type(e).__name__}")
+        rows.sort(key=lambda r: r[0])
         best = rows[0][1]
-        kw = dict(x.split("=") for x in best.split())
-        kw = dict(ptx_unpack=kw["ptx"] == "True", block_n=int(kw["bn"]), num_stages=int(kw["st"]))
-        for mult in (0.25, 0.5, 2, 4):
-            ns = max(1, int(base * mult))
-            rows.append((graph_us(case.fn(num_splits=ns, **kw)), f"{best} splits={ns}"))
-        for nw in (2, 8):
-            rows.append((graph_us(case.fn(num_warps=nw, **kw)), f"{best} warps={nw}"))
-        rows.sort()
-        print(f"bs{bs} ctx{ctx} (default splits {base}): " + "; ".join(f"{c}: {t:.1f}" for t, c in rows[:8]))
-        print("   worst: " + "; ".join(f"{c}: {t:.1f}" for t, c in rows[-3:]))
+        for ns in sorted({4, 8, 16, 24, 32, 48, 64, 96, 128} - {base}):
+            rows.append((graph_us(case.fn(num_splits=ns, **best)), dict(best, num_splits=ns)))
+        rows.sort(key=lambda r: r[0])
+        print(f"bs{bs} ctx{ctx} (default splits {base}):")
+        for t, kw in rows[:6] + rows[-2:]:
+            print(f"   {t:8.1f}  {kw}")
+        print("   splits: " + ", ".join(f"{kw['num_splits']}: {t:.1f}" for t, kw in sorted(
+            (r for r in rows if "num_splits" in r[1]), key=lambda r: r[1]["num_splits"])), flush=True)
         del case
         torch.cuda.empty_cache()
 

@@ -36,13 +36,15 @@ def main() -> None:
         quantize_pack(xr, None, 0.9, codes, scale, zero, loc)
 
     rows = []
-    for bn in (16, 32, 64):
-        for prec in ("ieee", "tf32x3"):
-            def fn(bn=bn, prec=prec):
-                quantize_pack(x, rot, 0.9, codes, scale, zero, loc, block_n=bn, rot_precision=prec)
+    for bn, prec, nw in [(64, "ieee", 4), (32, "tf32x3", 4), (64, "tf32x3", 4), (64, "tf32x3", 8), (128, "tf32x3", 4),
+                         (128, "tf32x3", 8), (64, "tf32", 4)]:
+        def fn(bn=bn, prec=prec, nw=nw):
+            quantize_pack(x, rot, 0.9, codes, scale, zero, loc, block_n=bn, rot_precision=prec, num_warps=nw)
 
+        if True:
             try:
-                rows.append((f"fused rotation, block_n {bn}, {prec}", triton.testing.do_bench(fn, return_mode="median")))
+                rows.append((f"fused rotation, block_n {bn}, {prec}, {nw} warps",
+                             triton.testing.do_bench(fn, return_mode="median")))
             except Exception as e:
                 print(f"block_n {bn} {prec}: {type(e).__name__}: {str(e)[:200]}")
     rows.append(("separate fp32 einsum + pack", triton.testing.do_bench(separate, return_mode="median")))

@@ -12,9 +12,13 @@ With one scale/zero per row (``g = d``) the dequantisation is folded out of the 
 unpacks codes and runs the tensor-core dot.  With ``g < d`` codes are dequantised per element before the dot.
 
 Packed layout (see :mod:`oscar_kernels.layout`): codes uint8 ``[S, Hkv, d/4]``; byte ``k*B + b``
-(``B = g/4``) of a row holds rotated elements ``k*g + b + j*B`` at bit shift ``2j``; so bit plane ``j`` of
-the ``d/4`` bytes is one quarter of the row, dotted against the matching quarter of ``q'`` (four dots of
-depth ``d/4``); scale/zero fp16 ``[S, Hkv, d/g]``.
+(``B = g/4``) of a row holds rotated elements ``k*g + b + j*B`` at bit shift ``2j``; scale/zero fp16
+``[S, Hkv, d/g]``. The kernel unpacks a ``[BLOCK_N, d/4]`` byte tile into ``[BLOCK_N, d]`` with bit plane ``j``
+of byte ``m`` at column ``4m + j`` (a register-level interleave, no shuffle through memory) and permutes the
+columns of ``R_K`` (for ``q'``) and the rows of ``R_V^T`` (for the output) to match, so each tile costs one
+tensor-core dot for ``QK^T`` and one for ``PV``. On CUDA the unpack is a few PTX instructions per four codes:
+OR-ing a code into the mantissa of fp16 1024 (bf16 128) gives ``1024 + c`` exactly; the offset is folded into
+the zero term (``z - 1024 s``, and ``-128 sum(p s)``).
 
 Kernels: ``_decode_int2_kernel``, grid ``(B, Hkv, num_splits + 1)``: split ``i < num_splits`` covers
 ``ceil(L_b / num_splits)`` INT2 tokens (rounded up to a tile) of sequence ``b``; the last split covers the
@@ -100,6 +104,31 @@ def _planes_bf16(x):
 
 
 @triton.jit
+def _interleave(x0, x1, x2, x3, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Four ``[ROWS, COLS]`` bit planes -> ``[ROWS, 4*COLS]`` with plane ``j`` of byte ``m`` at column ``4m + j``."""
+    return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (ROWS, 4 * COLS))
+
+
+@triton.jit
+def _unpack_tile(c, ROWS: tl.constexpr, D4: tl.constexpr, T: tl.constexpr, PTX: tl.constexpr):
+    """uint8 codes ``[ROWS, D4]`` -> ``[ROWS, 4*D4]`` of dtype ``T`` in interleaved order (see ``_interleave``).
+
+    With ``PTX`` the values are ``MAGIC + code`` (fp16: 1024, bf16: 128); otherwise plain ``code``.
+    """
+    if PTX:
+        if T == tl.float16:
+            c0, c1, c2, c3 = _planes_f16(c)
+        else:
+            c0, c1, c2, c3 = _planes_bf16(c)
+    else:
+        c0 = (c & 3).to(T)
+        c1 = ((c >> 2) & 3).to(T)
+        c2 = ((c >> 4) & 3).to(T)
+        c3 = (c >> 6).to(T)
+    return _interleave(c0, c1, c2, c3, ROWS, D4)
+
+
+@triton.jit
 def _decode_int2_kernel(
     Q, ROT_K,
     K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
@@ -129,24 +158,22 @@ def _decode_int2_kernel(
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_m = tl.arange(0, D4)
-    col0 = (offs_m // BQ) * GROUP_SIZE + offs_m % BQ  # element of bit plane 0 held by byte m
+    # The kernel works in "interleaved" column order: column p = 4m + j holds bit plane j of code byte m,
+    # i.e. rotated element e(p) = (m // BQ) * GROUP_SIZE + j * BQ + m % BQ. Partial outputs stay in that order;
+    # the merge kernel undoes it with the rows of R_V^T it loads.
+    m_of_p = offs_d // 4
+    e_of_p = (m_of_p // BQ) * GROUP_SIZE + (offs_d % 4) * BQ + m_of_p % BQ
 
-    # ---- q' = q @ R_K, split into the four bit-plane quarters, pre-scaled for exp2 ----
+    # ---- q'' = (q @ R_K)[:, e(p)] pre-scaled for exp2: one product with the permuted columns of R_K ----
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=mask_h[:, None], other=0.0).to(tl.float32)
-    r_base = ROT_K + (kvh * stride_rh if ROT_PER_HEAD else 0) + offs_d[:, None] * stride_rr
-    q0 = (tl.dot(q, tl.load(r_base + (col0 + 0 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
-    q1 = (tl.dot(q, tl.load(r_base + (col0 + 1 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
-    q2 = (tl.dot(q, tl.load(r_base + (col0 + 2 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
-    q3 = (tl.dot(q, tl.load(r_base + (col0 + 3 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
+    r = tl.load(ROT_K + (kvh * stride_rh if ROT_PER_HEAD else 0) + offs_d[:, None] * stride_rr
+                + e_of_p[None, :] * stride_rc)
+    qr = (tl.dot(q, r) * qk_scale).to(QK_T)  # [BLOCK_H, d]
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, D4], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, D4], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, D4], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, D4], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
 
     if split < num_splits:
         # ---------------- INT2 split ----------------
@@ -155,8 +182,8 @@ def _decode_int2_kernel(
         split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, kv_len)
-        qsum = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)
-                + tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1))
+        qsum = tl.sum(qr.to(tl.float32), 1)
+        offs_m = tl.arange(0, D4)
         gidx = offs_m // BQ
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -165,66 +192,45 @@ def _decode_int2_kernel(
             kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
             vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
             if NG == 1:
+                # q.k_hat = s (q.c) + z sum(q); PTX codes are 1024 + c, so z absorbs -1024 s
                 ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh, mask=mask_n, other=0.0).to(tl.float32)
                 kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh, mask=mask_n, other=0.0).to(tl.float32)
                 vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
                 vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
-                if PTX_UNPACK:  # codes arrive as 1024 + c: q.(1024 + c) = q.c + 1024 sum(q)
-                    k0, k1, k2, k3 = _planes_f16(kc)
-                    kz = kz - 1024.0 * ks
-                else:
-                    k0 = (kc & 3).to(QK_T)
-                    k1 = ((kc >> 2) & 3).to(QK_T)
-                    k2 = ((kc >> 4) & 3).to(QK_T)
-                    k3 = (kc >> 6).to(QK_T)
-                qc = tl.dot(q0, tl.trans(k0))
-                qc += tl.dot(q1, tl.trans(k1))
-                qc += tl.dot(q2, tl.trans(k2))
-                qc += tl.dot(q3, tl.trans(k3))
+                if PTX_UNPACK:
+                    kz = kz - F16_MAGIC * ks
+                qc = tl.dot(qr, tl.trans(_unpack_tile(kc, BLOCK_N, D4, QK_T, PTX_UNPACK)))
                 s = qc * ks[None, :] + qsum[:, None] * kz[None, :]
             else:
                 ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :],
                              mask=mask_n[:, None], other=0.0).to(tl.float32)
                 kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :],
                              mask=mask_n[:, None], other=0.0).to(tl.float32)
-                s = tl.dot(q0, tl.trans(((kc & 3).to(tl.float32) * ks + kz).to(QK_T)))
-                s += tl.dot(q1, tl.trans((((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T)))
-                s += tl.dot(q2, tl.trans((((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T)))
-                s += tl.dot(q3, tl.trans(((kc >> 6).to(tl.float32) * ks + kz).to(QK_T)))
+                ks = _interleave(ks, ks, ks, ks, BLOCK_N, D4)
+                kz = _interleave(kz, kz, kz, kz, BLOCK_N, D4)
+                k = _unpack_tile(kc, BLOCK_N, D4, tl.float32, False) * ks + kz
+                s = tl.dot(qr, tl.trans(k.to(QK_T)))
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc0 *= alpha[:, None]
-            acc1 *= alpha[:, None]
-            acc2 *= alpha[:, None]
-            acc3 *= alpha[:, None]
             if NG == 1:
+                # sum_t p_t v_hat_t = sum_t (p_t s_t) c_t + sum_t p_t z_t; PTX codes are 128 + c
                 ps = (p * vs[None, :]).to(PV_T)
                 pz = tl.sum(p * vz[None, :], 1)
-                if PTX_UNPACK:  # codes arrive as 128 + c: sum ps (128 + c) = sum ps c + 128 sum ps
-                    v0, v1, v2, v3 = _planes_bf16(vc)
-                    pz -= 128.0 * tl.sum(ps.to(tl.float32), 1)
-                else:
-                    v0 = (vc & 3).to(PV_T)
-                    v1 = ((vc >> 2) & 3).to(PV_T)
-                    v2 = ((vc >> 4) & 3).to(PV_T)
-                    v3 = (vc >> 6).to(PV_T)
-                acc0 += tl.dot(ps, v0) + pz[:, None]
-                acc1 += tl.dot(ps, v1) + pz[:, None]
-                acc2 += tl.dot(ps, v2) + pz[:, None]
-                acc3 += tl.dot(ps, v3) + pz[:, None]
+                if PTX_UNPACK:
+                    pz -= BF16_MAGIC * tl.sum(ps.to(tl.float32), 1)
+                acc = acc * alpha[:, None] + tl.dot(ps, _unpack_tile(vc, BLOCK_N, D4, PV_T, PTX_UNPACK)) + pz[:, None]
             else:
                 vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :],
                              mask=mask_n[:, None], other=0.0).to(tl.float32)
                 vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :],
                              mask=mask_n[:, None], other=0.0).to(tl.float32)
-                pp = p.to(PV_T)
-                acc0 += tl.dot(pp, ((vc & 3).to(tl.float32) * vs + vz).to(PV_T))
-                acc1 += tl.dot(pp, (((vc >> 2) & 3).to(tl.float32) * vs + vz).to(PV_T))
-                acc2 += tl.dot(pp, (((vc >> 4) & 3).to(tl.float32) * vs + vz).to(PV_T))
-                acc3 += tl.dot(pp, ((vc >> 6).to(tl.float32) * vs + vz).to(PV_T))
+                vs = _interleave(vs, vs, vs, vs, BLOCK_N, D4)
+                vz = _interleave(vz, vz, vz, vz, BLOCK_N, D4)
+                v = _unpack_tile(vc, BLOCK_N, D4, tl.float32, False) * vs + vz
+                acc = acc * alpha[:, None] + tl.dot(p.to(PV_T), v.to(PV_T))
             m_i = m_new
     else:
         # ---------------- BF16 sink/recent split ----------------
@@ -234,35 +240,26 @@ def _decode_int2_kernel(
             offs_n = start + tl.arange(0, BLOCK_NB)
             mask_n = offs_n < bf_len
             slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k_rows = K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh
-            s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :] * stride_kbd).to(QK_T)))
-            s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :] * stride_kbd).to(QK_T)))
-            s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :] * stride_kbd).to(QK_T)))
-            s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :] * stride_kbd).to(QK_T)))
+            mn = mask_n[:, None]
+            k = tl.load(K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh + e_of_p[None, :] * stride_kbd,
+                        mask=mn, other=0.0)
+            s = tl.dot(qr, tl.trans(k.to(QK_T)))
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            pp = p.to(PV_T)
-            v_rows = V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh
-            mn = mask_n[:, None]
-            acc0 = acc0 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 0 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
-            acc1 = acc1 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 1 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
-            acc2 = acc2 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 2 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
-            acc3 = acc3 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 3 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+            v = tl.load(V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh + e_of_p[None, :] * stride_vbd,
+                        mask=mn, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(PV_T), v.to(PV_T))
             m_i = m_new
 
-    # ---- normalised partial output and base-2 LSE (empty split: lse = -inf, o = 0) ----
+    # ---- normalised partial output (interleaved order) and base-2 LSE (empty split: lse = -inf, o = 0) ----
     has = l_i > 0.0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
-    mh = mask_h[:, None]
-    tl.store(o_rows + (col0 + 0 * BQ)[None, :], acc0 * inv_l[:, None], mask=mh)
-    tl.store(o_rows + (col0 + 1 * BQ)[None, :], acc1 * inv_l[:, None], mask=mh)
-    tl.store(o_rows + (col0 + 2 * BQ)[None, :], acc2 * inv_l[:, None], mask=mh)
-    tl.store(o_rows + (col0 + 3 * BQ)[None, :], acc3 * inv_l[:, None], mask=mh)
+    o_ptrs = PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_d[None, :]
+    tl.store(o_ptrs, acc * inv_l[:, None], mask=mask_h[:, None])
     tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
 
 
@@ -274,15 +271,18 @@ def _decode_int2_merge_kernel(
     stride_plb, stride_plh,
     stride_rh, stride_rr, stride_rc,
     stride_ob, stride_oh, stride_od,
-    GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    BQ: tl.constexpr = GROUP_SIZE // 4
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
     offs_d = tl.arange(0, HEAD_DIM)
+    m_of_p = offs_d // 4
+    e_of_p = (m_of_p // BQ) * GROUP_SIZE + (offs_d % 4) * BQ + m_of_p % BQ
     offs_p = tl.arange(0, BLOCK_P)
     lse = tl.load(PART_LSE + b * stride_plb + heads[:, None] * stride_plh + offs_p[None, :],
                   mask=mask_h[:, None] & (offs_p[None, :] < num_parts), other=float("-inf"))
@@ -296,9 +296,9 @@ def _decode_int2_merge_kernel(
         w_i = tl.sum(tl.where(offs_p[None, :] == i, w, 0.0), 1)
         o += w_i[:, None] * tl.load(o_rows + i * stride_pos, mask=mask_h[:, None], other=0.0)
     o = o * tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)[:, None]
-    # o = o' @ R_V^T: load R_V transposed
+    # o holds o'[e(p)] at column p; out = o' @ R_V^T = sum_p o[p] R_V[f, e(p)]
     rt = tl.load(ROT_V + (kvh * stride_rh if ROT_PER_HEAD else 0)
-                 + offs_d[:, None] * stride_rc + offs_d[None, :] * stride_rr)
+                 + e_of_p[:, None] * stride_rc + offs_d[None, :] * stride_rr)
     o = tl.dot(o, rt)
     tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
              o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
@@ -449,7 +449,7 @@ def decode_int2(
         part_lse.stride(0), part_lse.stride(1),
         *rot_v.stride(),
         *out.stride(),
-        GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d,
+        GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d, GROUP_SIZE=g,
         BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=rot_v.shape[0] > 1,
         num_warps=4,
     )

@@ -12,7 +12,7 @@ INT2_LENS = [3000, 1, 777, 4093] if ON_GPU else [37, 0, 130, 1]
 BF16_LENS = [68, 5, 0, 33] if ON_GPU else [5, 9, 0, 3]
 HKV = 8 if ON_GPU else 2
 # bf16 q with fp16/bf16 tensor-core dots vs fp32 dots in the interpreter
-TOL = dict(atol=3e-2, rtol=3e-2) if ON_GPU else dict(atol=1e-4, rtol=1e-4)
+TOL = dict(atol=5e-2, rtol=5e-2) if ON_GPU else dict(atol=1e-4, rtol=1e-4)
 MAX_REL = 1e-2 if ON_GPU else 1e-5
 
 
