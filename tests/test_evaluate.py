@@ -1,0 +1,129 @@
+"""Perplexity, bits accounting and the lm-eval model on a tiny random Llama with an in-memory word tokenizer."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from oscar_cli import evaluate as ev
+from oscar_cli.methods import bits_per_element, get_method
+
+WORDS = [f"w{i}" for i in range(90)]
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<pad>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      pad_token_id=1, eos_token_id=2, bos_token_id=2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def text(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(WORDS[i] for i in torch.randint(0, 90, (n,), generator=g).tolist())
+
+
+def test_perplexity_bf16_matches_cross_entropy_and_quantization_hurts():
+    model, tok = tiny_llama(), tiny_tokenizer()
+    ids = ev.token_ids(tok, text(300))
+    wins = ev.windows_of(ids, 96, 3)
+    assert wins.shape == (3, 96)
+    p_bf16 = ev.perplexity(model, wins, ev.prepare(model, get_method("bf16"), 4, 8))
+    with torch.no_grad():
+        logits = model(wins).logits[:, :-1]
+    ref = math.exp(torch.nn.functional.cross_entropy(logits.reshape(-1, 96), wins[:, 1:].reshape(-1)).item())
+    assert p_bf16 == pytest.approx(ref, rel=1e-5)
+    p_full_recent = ev.perplexity(model, wins, ev.prepare(model, get_method("int2-naive"), 4, 96))
+    assert p_full_recent == pytest.approx(p_bf16, rel=1e-5)
+    p_naive = ev.perplexity(model, wins, ev.prepare(model, get_method("int2-naive"), 4, 8))
+    assert p_naive != pytest.approx(p_bf16, rel=1e-4)
+
+
+def test_windows_error_and_element_bits():
+    model = tiny_llama()
+    with pytest.raises(ev.EvalError, match="fewer than one window"):
+        ev.windows_of(torch.arange(10), 64, None)
+    prep = ev.prepare(model, get_method("int2-hadamard"), 16, 64)
+    assert ev.element_bits(prep, model, 1024) == pytest.approx(bits_per_element(get_method("int2-hadamard"), 1024, 32,
+                                                                                16, 64))
+    assert ev.element_bits(ev.prepare(model, get_method("bf16"), 16, 64), model, 1024) == 16
+
+
+def test_expand_tasks_maps_offline_names():
+    assert ev.expand_tasks(["ruler"]) == ["oscar_ruler_niah_single_1"]
+    assert ev.expand_tasks(["niah_multikey_2", "oscar_niah", "hellaswag"]) == [
+        "oscar_ruler_niah_multikey_2", "oscar_niah", "hellaswag"]
+
+
+def test_hub_failure_is_a_one_line_error_naming_offline_tasks(monkeypatch):
+    import lm_eval
+
+    def boom(**kw):
+        raise ConnectionError("Couldn't reach 'Idavidrein/gpqa' on the Hub (LocalEntryNotFoundError)\nmore")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", boom)
+    with pytest.raises(ev.EvalError) as e:
+        ev.run_lm_eval(object(), ["oscar_niah"], 1, {})
+    msg = str(e.value)
+    assert "\n" not in msg and "ruler" in msg and "oscar_ppl" in msg
+
+
+def test_oscar_lm_loglikelihood_and_generate_use_the_method():
+    from lm_eval.api.instance import Instance
+
+    model, tok = tiny_llama(), tiny_tokenizer()
+    ctx, cont = text(60, 1), " " + text(4, 2)
+
+    def ll(method):
+        lm = ev.oscar_lm_class()(pretrained=model, tokenizer=tok, method=method, sink=2, recent=4, batch_size=1,
+                                 max_length=256, device="cpu")
+        req = Instance("loglikelihood", {}, (ctx, cont), 0)
+        return lm, lm.loglikelihood([req])[0][0]
+
+    _, base = ll("bf16")
+    lm, q = ll("int2-naive")
+    assert q != pytest.approx(base, abs=1e-4)
+    # the same number by hand: decode-equivalent attention on the full sequence
+    ids = torch.tensor([tok(ctx + cont)["input_ids"]])
+    n_cont = len(tok(cont)["input_ids"])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids, use_cache=False).logits[0, :-1], -1)
+    by_hand = logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][-n_cont:].sum().item()
+    assert q == pytest.approx(by_hand, abs=1e-3)
+    # generation goes through a fresh OscarCache
+    from oscar_cli import cache as cache_mod
+
+    made = []
+    orig = cache_mod.make_cache
+    cache_mod.make_cache = lambda *a, **k: made.append(orig(*a, **k)) or made[-1]
+    try:
+        out = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": ["<eos>"], "max_gen_toks": 5}), 0)])
+    finally:
+        cache_mod.make_cache = orig
+    assert len(made) == 1 and isinstance(made[0], cache_mod.OscarCache)
+    assert made[0].get_seq_length() >= 60 and isinstance(out[0], str)
+
+
+@pytest.mark.slow
+def test_embedded_default_ordering_on_heldout_text(tmp_path):
+    """One 1k window of the held-out text: bf16 < int2-hadamard-clip < int2-hadamard < int2-naive."""
+    from oscar_cli.data import heldout_text
+    from oscar_cli.models import load_model
+
+    lm = load_model("smollm2-135m", tmp_path)
+    wins = ev.windows_of(ev.token_ids(lm.tokenizer, heldout_text()), 1024, 1)
+    ppl = {m: ev.perplexity(lm.model, wins, ev.prepare(lm.model, get_method(m), 16, 64))
+           for m in ["bf16", "int2-hadamard-clip", "int2-hadamard", "int2-naive"]}
+    assert ppl["bf16"] < ppl["int2-hadamard-clip"] < ppl["int2-hadamard"] < ppl["int2-naive"]
