@@ -196,8 +196,19 @@ def collect_shape(loaded: LoadedModel) -> AttentionShape:
     return attention_shape(loaded.config)
 
 
+def prepare_windows(loaded: LoadedModel, cfg: CollectConfig) -> torch.Tensor:
+    """The calibration token windows ``[ceil(tokens / seq_len), seq_len]`` (raises DataError on bad data)."""
+    from . import data as data_mod
+
+    if cfg.skip >= cfg.seq_len:
+        raise data_mod.DataError(f"--seq-len {cfg.seq_len} must exceed the {cfg.skip} skipped sink positions")
+    docs = data_mod.load_documents(cfg.data)
+    return data_mod.token_windows(loaded.tokenizer, docs, cfg.seq_len, cfg.num_sequences)
+
+
 def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = False,
-              progress: Callable[[int, int], None] | None = None, device: str = "cpu") -> int:
+              progress: Callable[[int, int], None] | None = None, device: str = "cpu",
+              windows: torch.Tensor | None = None) -> int:
     """Collect statistics for ``loaded`` into ``store``; returns the run id.
 
     ``progress(tokens_done, tokens_total)`` is called after every persisted batch. With ``resume`` the newest
@@ -207,10 +218,8 @@ def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = 
     from .store import StoreError
 
     shape = collect_shape(loaded)
-    if cfg.skip >= cfg.seq_len:
-        raise StoreError(f"--seq-len {cfg.seq_len} must exceed the {cfg.skip} skipped sink positions")
-    docs = data_mod.load_documents(cfg.data)
-    windows = data_mod.token_windows(loaded.tokenizer, docs, cfg.seq_len, cfg.num_sequences)
+    if windows is None:
+        windows = prepare_windows(loaded, cfg)
     digest = data_mod.digest(windows)
     n_batches = -(-windows.shape[0] // cfg.batch_size)
     acc = StatsAccumulator(shape, skip=cfg.skip)

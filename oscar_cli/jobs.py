@@ -39,6 +39,20 @@ def layer_data(store: Store, run: Run, layer: int, acc: StatsAccumulator) -> Lay
     )
 
 
+def check_fit(store: Store, run_ref: str, cfg: FitConfig, model_slug: str | None = None) -> tuple[Run, list[int]]:
+    """Validate a fit request against its run before any work: -> (run, selected layers)."""
+    run = store.get_run(run_ref, model_slug)
+    if run.status != "complete":
+        raise art.ArtifactError(
+            f"run {run.run_id} is {run.status} ({run.batches_done}/{run.num_batches} batches); "
+            "finish it with `oscar collect --resume` first"
+        )
+    shape = AttentionShape(**run.shape)
+    layers = parse_layers(cfg.layers, shape.n_layers)
+    cfg.quant.group_for(shape.head_dim)
+    return run, layers
+
+
 def run_fit(
     store: Store,
     run_ref: str,
@@ -49,15 +63,8 @@ def run_fit(
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Path, dict]:
     """Fit every selected layer of a complete run and write a new artifact version. Returns (folder, manifest)."""
-    run = store.get_run(run_ref, model_slug)
-    if run.status != "complete":
-        raise art.ArtifactError(
-            f"run {run.run_id} is {run.status} ({run.batches_done}/{run.num_batches} batches); "
-            "finish it with `oscar collect --resume` first"
-        )
+    run, layers = check_fit(store, run_ref, cfg, model_slug)
     shape = AttentionShape(**run.shape)
-    layers = parse_layers(cfg.layers, shape.n_layers)
-    cfg.quant.group_for(shape.head_dim)  # validate the group against the head dim before any work
     acc = StatsAccumulator(shape)
     acc.load_rows(store.load_stats(run.run_id))
     fits: list[LayerFit] = []

@@ -143,6 +143,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantize a GGUF checkpoint once and save a safetensors copy (atomic folder rename)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    quiet_transformers()
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -192,10 +193,20 @@ def resolve(spec: str, store: Path) -> tuple[str, str, Path | None]:
     return slug, str(gguf), dest
 
 
+def quiet_transformers() -> None:
+    """Our own progress bars are the interface; silence transformers' per-load tqdm bars and info logs."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 def load_model(spec: str, store: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     """Load ``spec`` (see module docstring) in ``dtype`` on ``device``; returns model (eval mode), tokenizer and
     fingerprint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
 
     slug, source, folder = resolve(spec, store)
     target = str(folder) if folder is not None else spec

@@ -32,7 +32,7 @@ def collect(
 
     import torch
 
-    from ..collect import calibrate
+    from ..collect import calibrate, prepare_windows
     from ..config import CollectConfig, load_recipe
     from ..models import load_model
     from ..store import Store
@@ -48,11 +48,12 @@ def collect(
     from ..data import load_documents
 
     load_documents(cfg.data)
-    st = Store(store)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     loaded = load_model(model, store, dtype=dtype, device=device)
+    windows = prepare_windows(loaded, cfg)
+    st = Store(store)
     with token_progress(f"collect {loaded.slug}") as update:
-        run_id = calibrate(loaded, cfg, st, resume=resume, progress=update, device=device)
+        run_id = calibrate(loaded, cfg, st, resume=resume, progress=update, device=device, windows=windows)
     run = st.get_run(run_id)
     out.print(f"run {run_id}: {run.tokens_done} tokens of {loaded.slug} ({run.model_fingerprint}), "
               f"data {run.data_digest}, stored in {st.path}")

@@ -35,7 +35,7 @@ def fit(
     import json
 
     from ..config import FitConfig, load_recipe
-    from ..jobs import run_fit
+    from ..jobs import check_fit, run_fit
     from ..store import Store
 
     rec = load_recipe(recipe) if recipe else None
@@ -47,6 +47,7 @@ def fit(
     cfg = dataclasses.replace(base, quant=quant, **overrides)
     recipe_text = rec.source if rec else _recipe_yaml(cfg)
     st = Store(store, create=False)
+    check_fit(st, run, cfg)
     with step_progress("fit layers") as update:
         path, manifest = run_fit(st, run, cfg, artifacts, recipe_text, progress=update)
     if json_out:

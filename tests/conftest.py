@@ -1,0 +1,43 @@
+"""Shared fixtures: the embedded default model converted once per session, and a tiny random-weight Llama."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+EMBEDDED = "smollm2-135m"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: fail fast instead of retrying the network
+
+
+@pytest.fixture(scope="session")
+def embedded_store(tmp_path_factory) -> Path:
+    """A store folder holding the safetensors copy of the embedded default (converted once, ~20 s)."""
+    from oscar_cli.models import resolve
+
+    store = tmp_path_factory.mktemp("store")
+    resolve(EMBEDDED, store)
+    return store
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_store) -> Path:
+    """A 2-layer random-weight Llama (GQA 4:2, head dim 16) saved with the embedded model's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    src = embedded_store / "models" / EMBEDDED
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(out)
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(f, out / f.name)
+    return out

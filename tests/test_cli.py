@@ -1,0 +1,135 @@
+"""The CLI end to end: a tiny random-weight Llama (fast) and the embedded default (slow)."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from oscar_cli.cli import app
+from oscar_cli.store import Store
+
+runner = CliRunner()
+TINY = ["--tokens", "1024", "--seq-len", "64", "--batch-size", "4", "--reservoir", "96"]
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def one_line_error(result, pattern):
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 1, result.output
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    assert pattern in lines[0], lines[0]
+
+
+@pytest.fixture()
+def tiny_store(tmp_path, embedded_store, tiny_model_dir):
+    store = tmp_path / "store"
+    r = invoke("collect", "--model", tiny_model_dir, "--store", store, *TINY)
+    assert r.exit_code == 0, r.output
+    return store
+
+
+def test_collect_fit_inspect_on_a_tiny_model(tmp_path, tiny_store, tiny_model_dir):
+    arts = tmp_path / "artifacts"
+    r = invoke("fit", "--store", tiny_store, "--artifacts", arts, "--layers", "0-1", "--sink", "4", "--recent", "8")
+    assert r.exit_code == 0, r.output
+    folder = arts / tiny_model_dir.name.lower() / "v1"
+    assert (folder / "rotations.safetensors").is_file() and (folder / "recipe.yaml").is_file()
+    r = invoke("inspect", "latest", "--store", tiny_store, "--json", "--plot", tmp_path / "p.png")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    assert [x["layer"] for x in report["layers"]] == [0, 1]
+    assert all(x["orthogonality_error"] < 1e-5 for x in report["layers"])
+    assert report["quant"] == {"bits": 2, "group": 0, "sink": 4, "recent": 8}
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    run = Store(tiny_store).get_run("latest")
+    assert (run.status, run.tokens_done, run.batches_done) == ("complete", 1024, 4)
+
+
+def test_a_killed_run_resumes_to_the_same_statistics(tmp_path, tiny_store, tiny_model_dir, monkeypatch):
+    store = tmp_path / "resumed"
+    real = Store.save_batch
+    calls = {"n": 0}
+
+    def dies_on_third_batch(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # killed while batch 3 was being written
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Store, "save_batch", dies_on_third_batch)
+    r = runner.invoke(app, ["collect", "--model", str(tiny_model_dir), "--store", str(store), *TINY])
+    assert r.exit_code == 130
+    monkeypatch.setattr(Store, "save_batch", real)
+    half = Store(store).list_runs()[-1]
+    assert (half.status, half.batches_done) == ("interrupted", 2)
+    r = invoke("collect", "--model", tiny_model_dir, "--store", store, "--resume", *TINY)
+    assert r.exit_code == 0, r.output
+
+    a, b = Store(tiny_store), Store(store)
+    ra, rb = a.get_run("latest"), b.get_run("latest")
+    assert rb.run_id == half.run_id and rb.tokens_done == ra.tokens_done
+    sa, sb = a.load_stats(ra.run_id), b.load_stats(rb.run_id)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert sa[key][:2] == sb[key][:2]
+        np.testing.assert_array_equal(sa[key][2], sb[key][2])
+    ma, mb = a.load_samples(ra.run_id), b.load_samples(rb.run_id)
+    assert ma.keys() == mb.keys()
+    for key in ma:
+        np.testing.assert_array_equal(ma[key][0], mb[key][0])
+        np.testing.assert_array_equal(ma[key][2], mb[key][2])
+
+
+def test_bad_input_fails_with_one_line_and_leaves_the_store_alone(tmp_path, tiny_store, tiny_model_dir):
+    before = [(r.run_id, r.status, r.batches_done) for r in Store(tiny_store).list_runs()]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "fine"}\nnot json\n')
+    one_line_error(invoke("collect", "--model", tmp_path / "no-model", "--store", tiny_store), "cannot load model")
+    one_line_error(invoke("collect", "--model", "nobody/no-such-model", "--store", tiny_store), "cannot load model")
+    one_line_error(invoke("collect", "--model", tiny_model_dir, "--store", tiny_store, "--data", tmp_path / "x.txt"),
+                   "does not exist")
+    one_line_error(invoke("collect", "--model", tiny_model_dir, "--store", tiny_store, "--data", empty), "is empty")
+    one_line_error(invoke("collect", "--model", tiny_model_dir, "--store", tiny_store, "--data", bad_json),
+                   "bad.jsonl:2 is not valid JSON")
+    one_line_error(invoke("collect", "--model", tiny_model_dir, "--store", tiny_store, "--tokens", "10000000"),
+                   "lower --tokens")
+    one_line_error(invoke("fit", "--store", tiny_store, "--artifacts", tmp_path / "a", "--layers", "0-7"),
+                   "out of range: the model has layers 0-1")
+    one_line_error(invoke("fit", "--store", tiny_store, "--artifacts", tmp_path / "a", "--group", "48"),
+                   "must divide the head dim 16")
+    one_line_error(invoke("fit", "--store", tmp_path / "nowhere"), "no store at")
+    one_line_error(invoke("inspect", "v9", "--store", tiny_store), "not found")
+    assert [(r.run_id, r.status, r.batches_done) for r in Store(tiny_store).list_runs()] == before
+    assert Store(tiny_store).list_artifacts() == []
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").rglob("v*"))
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_tampered_artifact_is_refused(tmp_path, tiny_store):
+    arts = tmp_path / "artifacts"
+    assert invoke("fit", "--store", tiny_store, "--artifacts", arts).exit_code == 0
+    folder = next(arts.rglob("v1"))
+    (folder / "rotations.safetensors").write_bytes((folder / "rotations.safetensors").read_bytes()[:-4] + b"\0\0\0\0")
+    one_line_error(invoke("inspect", "latest", "--store", tiny_store), "content hash mismatch")
+
+
+@pytest.mark.slow
+def test_embedded_default_end_to_end(tmp_path, embedded_store):
+    """>= 16k calibration tokens on SmolLM2-135M; the artifact must beat identity and Hadamard on most layers."""
+    arts = tmp_path / "artifacts"
+    r = invoke("collect", "--store", embedded_store, "--tokens", "16384", "--seq-len", "512", "--batch-size", "8")
+    assert r.exit_code == 0, r.output
+    assert invoke("fit", "--store", embedded_store, "--artifacts", arts).exit_code == 0
+    r = invoke("inspect", "latest", "--store", embedded_store, "--json")
+    report = json.loads(r.output)
+    assert len(report["layers"]) == 30
+    for kv in ("distortion_k", "distortion_v"):
+        wins = report["summary"][kv]["artifact_better_layers"]
+        assert wins["identity"] >= 25 and wins["hadamard"] >= 25, (kv, wins)
+    assert report["summary"]["distortion_v"]["artifact_better_layers"]["hadamard_clip"] >= 20

@@ -1,0 +1,66 @@
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from oscar_cli.store import Store, StoreError
+
+
+def _new_run(st):
+    return st.create_run(model_slug="m", model_fingerprint="fp", data_spec="d", data_digest="dd", tokens=8,
+                         seq_len=4, batch_size=1, num_batches=2, config={"a": 1}, shape={"n_layers": 1})
+
+
+def test_batches_round_trip_and_evict(tmp_path):
+    st = Store(tmp_path)
+    rid = _new_run(st)
+    mat = np.random.default_rng(0).standard_normal((4, 4))
+    samples = {(0, "k"): (np.array([3, 5]), np.array([0.1, 0.7]), np.random.rand(2, 8).astype(np.float32))}
+    st.save_batch(rid, 1, 4, {(0, 0, "q"): (10.0, 10.0, mat)}, samples, 0.7)
+    st.save_batch(rid, 2, 8, {(0, 0, "q"): (20.0, 20.0, 2 * mat)}, None, 0.5)
+    stats = st.load_stats(rid)
+    assert stats[(0, 0, "q")][0] == 20.0
+    np.testing.assert_array_equal(stats[(0, 0, "q")][2], 2 * mat)
+    kept = st.load_samples(rid)[(0, "k")]
+    assert kept[0].tolist() == [3]  # priority 0.7 > 0.5 was evicted
+    np.testing.assert_array_equal(kept[2], samples[(0, "k")][2][:1])
+    run = st.get_run(rid)
+    assert (run.batches_done, run.tokens_done, run.status) == (2, 8, "running")
+
+
+def test_latest_ignores_unfinished_runs(tmp_path):
+    st = Store(tmp_path)
+    rid = _new_run(st)
+    with pytest.raises(StoreError, match="no complete calibration run"):
+        st.get_run("latest")
+    st.set_status(rid, "complete")
+    assert st.get_run("latest").run_id == rid
+    with pytest.raises(StoreError, match="does not exist"):
+        st.get_run(99)
+
+
+def test_a_second_process_waits_then_refuses_clearly(tmp_path):
+    Store(tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(30)",
+         str(tmp_path / "oscar.duckdb")],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t = time.monotonic()
+        with pytest.raises(StoreError, match="busy: another oscar process"):
+            Store(tmp_path, lock_timeout=1.0)
+        assert time.monotonic() - t >= 1.0
+    finally:
+        holder.kill()
+        holder.wait()
+    Store(tmp_path, lock_timeout=5.0)  # usable again once the holder is gone
+
+
+def test_missing_store_is_a_clear_error(tmp_path):
+    with pytest.raises(StoreError, match="run `oscar collect` first"):
+        Store(tmp_path / "nope", create=False)
