@@ -159,7 +159,6 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int) -> LayerFit:
     """Rotations, clip ratios and held-out distortion report for one layer."""
     q = cfg.quant
     group = q.group_for(head_dim)
-    H = data.cq.shape[0]
     fit_half, held = data.split()
     r_k, r_v, e_k, e_v = method_rotations(data, cfg.method, group, cfg.per_head)
     h = r_k.shape[0]

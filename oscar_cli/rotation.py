@@ -28,7 +28,7 @@ to the orthonormal DCT-II, which also spreads energy evenly, and says so in its 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -74,7 +74,7 @@ def _paley_ii(q: int) -> torch.Tensor:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _base_order(m: int) -> torch.Tensor | None:
     """An unnormalised Hadamard matrix of order m from Paley I/II, or None."""
     if m == 1:
@@ -88,7 +88,7 @@ def _base_order(m: int) -> torch.Tensor | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hadamard_f64(n: int) -> torch.Tensor:
     if n < 1:
         raise ValueError(f"Hadamard order must be positive, got {n}")

