@@ -93,31 +93,19 @@ def sdpa_case(bs, ctx, gen):
 
 
 def sweep(gen):
-    """Tile/pipelining/warps/split choices on a few shapes; prints µs for each."""
+    """Split count and warps around the defaults on a few shapes; prints µs for each."""
     print("\n## sweep (µs, median of CUDA-graph replays)")
     for bs, ctx in [(1, 8192), (1, 131072), (8, 32768), (16, 131072)]:
         case = Int2Case(bs, ctx, gen)
         base = default_num_splits(bs, HKV, case.n2)
         rows = []
-        for ptx in (True, False):
-            for bn in (64, 128, 256):
-                for st in (2, 3):
-                    for nw in (4, 8):
-                        kw = dict(ptx_unpack=ptx, block_n=bn, num_stages=st, num_warps=nw)
-                        try:
-                            rows.append((graph_us(case.fn(**kw)), kw))
-                        except Exception as e:  # a config may not compile (shared memory)
-                            print(f"  bs{bs} ctx{ctx} {kw}: {type(e).__name__}")
-        rows.sort(key=lambda r: r[0])
-        best = rows[0][1]
-        for ns in sorted({4, 8, 16, 24, 32, 48, 64, 96, 128} - {base}):
-            rows.append((graph_us(case.fn(num_splits=ns, **best)), dict(best, num_splits=ns)))
-        rows.sort(key=lambda r: r[0])
-        print(f"bs{bs} ctx{ctx} (default splits {base}):")
-        for t, kw in rows[:6] + rows[-2:]:
-            print(f"   {t:8.1f}  {kw}")
-        print("   splits: " + ", ".join(f"{kw['num_splits']}: {t:.1f}" for t, kw in sorted(
-            (r for r in rows if "num_splits" in r[1]), key=lambda r: r[1]["num_splits"])), flush=True)
+        for nw in (2, 4):
+            for ns in sorted({base // 2, base, 2 * base, 16, 32, 64} - {0}):
+                rows.append((graph_us(case.fn(num_splits=ns, num_warps=nw)), f"splits={ns} warps={nw}"))
+        rows.append((graph_us(case.fn(block_n=64)), "block_n=64"))
+        rows.append((graph_us(case.fn(ptx_unpack=False)), "plain unpack"))
+        rows.append((graph_us(case.fn(num_stages=3)), "stages=3"))
+        print(f"bs{bs} ctx{ctx} (default splits {base}): " + "; ".join(f"{c}: {t:.1f}" for t, c in rows), flush=True)
         del case
         torch.cuda.empty_cache()
 

@@ -12,13 +12,9 @@ With one scale/zero per row (``g = d``) the dequantisation is folded out of the 
 unpacks codes and runs the tensor-core dot.  With ``g < d`` codes are dequantised per element before the dot.
 
 Packed layout (see :mod:`oscar_kernels.layout`): codes uint8 ``[S, Hkv, d/4]``; byte ``k*B + b``
-(``B = g/4``) of a row holds rotated elements ``k*g + b + j*B`` at bit shift ``2j``; scale/zero fp16
-``[S, Hkv, d/g]``. The kernel unpacks a ``[BLOCK_N, d/4]`` byte tile into ``[BLOCK_N, d]`` with bit plane ``j``
-of byte ``m`` at column ``4m + j`` (a register-level interleave, no shuffle through memory) and permutes the
-columns of ``R_K`` (for ``q'``) and the rows of ``R_V^T`` (for the output) to match, so each tile costs one
-tensor-core dot for ``QK^T`` and one for ``PV``. On CUDA the unpack is a few PTX instructions per four codes:
-OR-ing a code into the mantissa of fp16 1024 (bf16 128) gives ``1024 + c`` exactly; the offset is folded into
-the zero term (``z - 1024 s``, and ``-128 sum(p s)``).
+(``B = g/4``) of a row holds rotated elements ``k*g + b + j*B`` at bit shift ``2j``; so bit plane ``j`` of
+the ``d/4`` bytes is one quarter of the row, dotted against the matching quarter of ``q'`` (four dots of
+depth ``d/4``); scale/zero fp16 ``[S, Hkv, d/g]``.
 
 Kernels: ``_decode_int2_kernel``, grid ``(B, Hkv, num_splits + 1)``: split ``i < num_splits`` covers
 ``ceil(L_b / num_splits)`` INT2 tokens (rounded up to a tile) of sequence ``b``; the last split covers the
@@ -44,12 +40,17 @@ import triton.language as tl
 
 from .layout import CODES_PER_BYTE, check_group_size, dequantize_ref
 
-DEFAULT_TARGET_PROGRAMS = 4 * 132
-"""Split programs aimed for when ``num_splits`` is not given: about four per SM of an H200 (132 SMs)."""
-DEFAULT_MIN_SPLIT_TOKENS = 256
-"""A split gets at least this many INT2 tokens when ``num_splits`` is derived from ``max_kv_len``."""
-DEFAULT_BLOCK_N = 64
-"""INT2 tokens per inner-loop tile."""
+DEFAULT_MIN_PROGRAMS = 128
+"""Split programs aimed for at least (about one per SM of an H200) when ``num_splits`` is not given."""
+DEFAULT_SPLIT_TOKENS = 3072
+"""INT2 tokens per split when ``num_splits`` is derived from ``max_kv_len``. Measured on an H200 (Qwen3-8B
+shapes, block_n 128): bs1/128k 172 µs at 33 splits vs 185 at 66 and 295 at 16; bs8/32k 245 µs at 18 splits vs
+276 at 9; bs16/128k 1674 µs at 20 splits vs 1801 at 5 and 1796 at 10; bs1/8k 26.5 µs at 16 splits vs 31 at 32."""
+SMALL_BATCH_WARPS = 2
+"""Warps per split program when ``batch * kv_heads <= 16``: bs1/128k ran 144 µs with 2 warps vs 185 with 4;
+at bs8 and bs16 2 warps were slower (304 vs 276, 2183 vs 1801 µs)."""
+DEFAULT_BLOCK_N = 128
+"""INT2 tokens per inner-loop tile (128 beat 32 and 64 at every measured shape except bs1/8k, where 64 won by 3%)."""
 
 
 def _interpreting() -> bool:
@@ -104,31 +105,6 @@ def _planes_bf16(x):
 
 
 @triton.jit
-def _interleave(x0, x1, x2, x3, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Four ``[ROWS, COLS]`` bit planes -> ``[ROWS, 4*COLS]`` with plane ``j`` of byte ``m`` at column ``4m + j``."""
-    return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (ROWS, 4 * COLS))
-
-
-@triton.jit
-def _unpack_tile(c, ROWS: tl.constexpr, D4: tl.constexpr, T: tl.constexpr, PTX: tl.constexpr):
-    """uint8 codes ``[ROWS, D4]`` -> ``[ROWS, 4*D4]`` of dtype ``T`` in interleaved order (see ``_interleave``).
-
-    With ``PTX`` the values are ``MAGIC + code`` (fp16: 1024, bf16: 128); otherwise plain ``code``.
-    """
-    if PTX:
-        if T == tl.float16:
-            c0, c1, c2, c3 = _planes_f16(c)
-        else:
-            c0, c1, c2, c3 = _planes_bf16(c)
-    else:
-        c0 = (c & 3).to(T)
-        c1 = ((c >> 2) & 3).to(T)
-        c2 = ((c >> 4) & 3).to(T)
-        c3 = (c >> 6).to(T)
-    return _interleave(c0, c1, c2, c3, ROWS, D4)
-
-
-@triton.jit
 def _decode_int2_kernel(
     Q, ROT_K,
     K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
@@ -158,22 +134,24 @@ def _decode_int2_kernel(
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
     offs_d = tl.arange(0, HEAD_DIM)
-    # The kernel works in "interleaved" column order: column p = 4m + j holds bit plane j of code byte m,
-    # i.e. rotated element e(p) = (m // BQ) * GROUP_SIZE + j * BQ + m % BQ. Partial outputs stay in that order;
-    # the merge kernel undoes it with the rows of R_V^T it loads.
-    m_of_p = offs_d // 4
-    e_of_p = (m_of_p // BQ) * GROUP_SIZE + (offs_d % 4) * BQ + m_of_p % BQ
+    offs_m = tl.arange(0, D4)
+    col0 = (offs_m // BQ) * GROUP_SIZE + offs_m % BQ  # element of bit plane 0 held by byte m
 
-    # ---- q'' = (q @ R_K)[:, e(p)] pre-scaled for exp2: one product with the permuted columns of R_K ----
+    # ---- q' = q @ R_K, split into the four bit-plane quarters, pre-scaled for exp2 ----
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=mask_h[:, None], other=0.0).to(tl.float32)
-    r = tl.load(ROT_K + (kvh * stride_rh if ROT_PER_HEAD else 0) + offs_d[:, None] * stride_rr
-                + e_of_p[None, :] * stride_rc)
-    qr = (tl.dot(q, r) * qk_scale).to(QK_T)  # [BLOCK_H, d]
+    r_base = ROT_K + (kvh * stride_rh if ROT_PER_HEAD else 0) + offs_d[:, None] * stride_rr
+    q0 = (tl.dot(q, tl.load(r_base + (col0 + 0 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
+    q1 = (tl.dot(q, tl.load(r_base + (col0 + 1 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
+    q2 = (tl.dot(q, tl.load(r_base + (col0 + 2 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
+    q3 = (tl.dot(q, tl.load(r_base + (col0 + 3 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, D4], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, D4], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, D4], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, D4], tl.float32)
 
     if split < num_splits:
         # ---------------- INT2 split ----------------
@@ -182,8 +160,8 @@ def _decode_int2_kernel(
         split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, kv_len)
-        qsum = tl.sum(qr.to(tl.float32), 1)
-        offs_m = tl.arange(0, D4)
+        qsum = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)
+                + tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1))
         gidx = offs_m // BQ
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -192,45 +170,66 @@ def _decode_int2_kernel(
             kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
             vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
             if NG == 1:
-                # q.k_hat = s (q.c) + z sum(q); PTX codes are 1024 + c, so z absorbs -1024 s
                 ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh, mask=mask_n, other=0.0).to(tl.float32)
                 kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh, mask=mask_n, other=0.0).to(tl.float32)
                 vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
                 vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
-                if PTX_UNPACK:
-                    kz = kz - F16_MAGIC * ks
-                qc = tl.dot(qr, tl.trans(_unpack_tile(kc, BLOCK_N, D4, QK_T, PTX_UNPACK)))
+                if PTX_UNPACK:  # codes arrive as 1024 + c: q.(1024 + c) = q.c + 1024 sum(q)
+                    k0, k1, k2, k3 = _planes_f16(kc)
+                    kz = kz - 1024.0 * ks  # F16_MAGIC
+                else:
+                    k0 = (kc & 3).to(QK_T)
+                    k1 = ((kc >> 2) & 3).to(QK_T)
+                    k2 = ((kc >> 4) & 3).to(QK_T)
+                    k3 = (kc >> 6).to(QK_T)
+                qc = tl.dot(q0, tl.trans(k0))
+                qc += tl.dot(q1, tl.trans(k1))
+                qc += tl.dot(q2, tl.trans(k2))
+                qc += tl.dot(q3, tl.trans(k3))
                 s = qc * ks[None, :] + qsum[:, None] * kz[None, :]
             else:
                 ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :],
                              mask=mask_n[:, None], other=0.0).to(tl.float32)
                 kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :],
                              mask=mask_n[:, None], other=0.0).to(tl.float32)
-                ks = _interleave(ks, ks, ks, ks, BLOCK_N, D4)
-                kz = _interleave(kz, kz, kz, kz, BLOCK_N, D4)
-                k = _unpack_tile(kc, BLOCK_N, D4, tl.float32, False) * ks + kz
-                s = tl.dot(qr, tl.trans(k.to(QK_T)))
+                s = tl.dot(q0, tl.trans(((kc & 3).to(tl.float32) * ks + kz).to(QK_T)))
+                s += tl.dot(q1, tl.trans((((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T)))
+                s += tl.dot(q2, tl.trans((((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T)))
+                s += tl.dot(q3, tl.trans(((kc >> 6).to(tl.float32) * ks + kz).to(QK_T)))
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
+            acc0 *= alpha[:, None]
+            acc1 *= alpha[:, None]
+            acc2 *= alpha[:, None]
+            acc3 *= alpha[:, None]
             if NG == 1:
-                # sum_t p_t v_hat_t = sum_t (p_t s_t) c_t + sum_t p_t z_t; PTX codes are 128 + c
                 ps = (p * vs[None, :]).to(PV_T)
                 pz = tl.sum(p * vz[None, :], 1)
-                if PTX_UNPACK:
-                    pz -= BF16_MAGIC * tl.sum(ps.to(tl.float32), 1)
-                acc = acc * alpha[:, None] + tl.dot(ps, _unpack_tile(vc, BLOCK_N, D4, PV_T, PTX_UNPACK)) + pz[:, None]
+                if PTX_UNPACK:  # codes arrive as 128 + c: sum ps (128 + c) = sum ps c + 128 sum ps
+                    v0, v1, v2, v3 = _planes_bf16(vc)
+                    pz -= 128.0 * tl.sum(ps.to(tl.float32), 1)
+                else:
+                    v0 = (vc & 3).to(PV_T)
+                    v1 = ((vc >> 2) & 3).to(PV_T)
+                    v2 = ((vc >> 4) & 3).to(PV_T)
+                    v3 = (vc >> 6).to(PV_T)
+                acc0 += tl.dot(ps, v0) + pz[:, None]
+                acc1 += tl.dot(ps, v1) + pz[:, None]
+                acc2 += tl.dot(ps, v2) + pz[:, None]
+                acc3 += tl.dot(ps, v3) + pz[:, None]
             else:
                 vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :],
                              mask=mask_n[:, None], other=0.0).to(tl.float32)
                 vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :],
                              mask=mask_n[:, None], other=0.0).to(tl.float32)
-                vs = _interleave(vs, vs, vs, vs, BLOCK_N, D4)
-                vz = _interleave(vz, vz, vz, vz, BLOCK_N, D4)
-                v = _unpack_tile(vc, BLOCK_N, D4, tl.float32, False) * vs + vz
-                acc = acc * alpha[:, None] + tl.dot(p.to(PV_T), v.to(PV_T))
+                pp = p.to(PV_T)
+                acc0 += tl.dot(pp, ((vc & 3).to(tl.float32) * vs + vz).to(PV_T))
+                acc1 += tl.dot(pp, (((vc >> 2) & 3).to(tl.float32) * vs + vz).to(PV_T))
+                acc2 += tl.dot(pp, (((vc >> 4) & 3).to(tl.float32) * vs + vz).to(PV_T))
+                acc3 += tl.dot(pp, ((vc >> 6).to(tl.float32) * vs + vz).to(PV_T))
             m_i = m_new
     else:
         # ---------------- BF16 sink/recent split ----------------
@@ -240,26 +239,35 @@ def _decode_int2_kernel(
             offs_n = start + tl.arange(0, BLOCK_NB)
             mask_n = offs_n < bf_len
             slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            mn = mask_n[:, None]
-            k = tl.load(K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh + e_of_p[None, :] * stride_kbd,
-                        mask=mn, other=0.0)
-            s = tl.dot(qr, tl.trans(k.to(QK_T)))
+            k_rows = K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh
+            s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :] * stride_kbd).to(QK_T)))
+            s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :] * stride_kbd).to(QK_T)))
+            s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :] * stride_kbd).to(QK_T)))
+            s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :] * stride_kbd).to(QK_T)))
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh + e_of_p[None, :] * stride_vbd,
-                        mask=mn, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(PV_T), v.to(PV_T))
+            pp = p.to(PV_T)
+            v_rows = V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh
+            mn = mask_n[:, None]
+            acc0 = acc0 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 0 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+            acc1 = acc1 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 1 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+            acc2 = acc2 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 2 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+            acc3 = acc3 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 3 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
             m_i = m_new
 
-    # ---- normalised partial output (interleaved order) and base-2 LSE (empty split: lse = -inf, o = 0) ----
+    # ---- normalised partial output and base-2 LSE (empty split: lse = -inf, o = 0) ----
     has = l_i > 0.0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    o_ptrs = PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_d[None, :]
-    tl.store(o_ptrs, acc * inv_l[:, None], mask=mask_h[:, None])
+    o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
+    mh = mask_h[:, None]
+    tl.store(o_rows + (col0 + 0 * BQ)[None, :], acc0 * inv_l[:, None], mask=mh)
+    tl.store(o_rows + (col0 + 1 * BQ)[None, :], acc1 * inv_l[:, None], mask=mh)
+    tl.store(o_rows + (col0 + 2 * BQ)[None, :], acc2 * inv_l[:, None], mask=mh)
+    tl.store(o_rows + (col0 + 3 * BQ)[None, :], acc3 * inv_l[:, None], mask=mh)
     tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
 
 
@@ -271,18 +279,15 @@ def _decode_int2_merge_kernel(
     stride_plb, stride_plh,
     stride_rh, stride_rr, stride_rc,
     stride_ob, stride_oh, stride_od,
-    GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    BQ: tl.constexpr = GROUP_SIZE // 4
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
     offs_d = tl.arange(0, HEAD_DIM)
-    m_of_p = offs_d // 4
-    e_of_p = (m_of_p // BQ) * GROUP_SIZE + (offs_d % 4) * BQ + m_of_p % BQ
     offs_p = tl.arange(0, BLOCK_P)
     lse = tl.load(PART_LSE + b * stride_plb + heads[:, None] * stride_plh + offs_p[None, :],
                   mask=mask_h[:, None] & (offs_p[None, :] < num_parts), other=float("-inf"))
@@ -296,25 +301,25 @@ def _decode_int2_merge_kernel(
         w_i = tl.sum(tl.where(offs_p[None, :] == i, w, 0.0), 1)
         o += w_i[:, None] * tl.load(o_rows + i * stride_pos, mask=mask_h[:, None], other=0.0)
     o = o * tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)[:, None]
-    # o holds o'[e(p)] at column p; out = o' @ R_V^T = sum_p o[p] R_V[f, e(p)]
+    # o = o' @ R_V^T: load R_V transposed
     rt = tl.load(ROT_V + (kvh * stride_rh if ROT_PER_HEAD else 0)
-                 + e_of_p[:, None] * stride_rc + offs_d[None, :] * stride_rr)
+                 + offs_d[:, None] * stride_rc + offs_d[None, :] * stride_rr)
     o = tl.dot(o, rt)
     tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
              o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
 
 
 def default_num_splits(batch: int, kv_heads: int, max_kv_len: int,
-                       target_programs: int = DEFAULT_TARGET_PROGRAMS,
-                       min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS) -> int:
-    """INT2 splits per sequence: enough programs to fill the GPU, but no split shorter than ``min_split_tokens``.
+                       min_programs: int = DEFAULT_MIN_PROGRAMS,
+                       split_tokens: int = DEFAULT_SPLIT_TOKENS) -> int:
+    """INT2 splits per sequence: about ``split_tokens`` tokens per split, at least ``min_programs`` programs.
 
     Depends only on host integers (batch, heads, an upper bound of the INT2 length), so a CUDA graph captured
     for a ``max_kv_len`` bucket replays for every shorter batch.
     """
-    want = triton.cdiv(target_programs, batch * kv_heads)
-    cap = max(1, triton.cdiv(max_kv_len, min_split_tokens))
-    return max(1, min(want, cap))
+    by_len = triton.cdiv(max(max_kv_len, 1), split_tokens)
+    by_programs = triton.cdiv(min_programs, batch * kv_heads)
+    return max(1, min(max(by_len, by_programs), triton.cdiv(max(max_kv_len, 1), 256)))
 
 
 def _check_pool(name, codes, scale, zero, hkv, d, g):
@@ -354,7 +359,7 @@ def decode_int2(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     num_stages: int = 2,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     ptx_unpack: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over INT2 + BF16 cached tokens.
@@ -374,7 +379,7 @@ def decode_int2(
         workspace: optional ``(part_o fp32 [B, Hq, num_splits + 1, d], part_lse fp32 [B, Hq, num_splits + 1])``
             to avoid allocations inside a captured graph.
         block_n: INT2 tokens per tile (``DEFAULT_BLOCK_N``); num_stages, num_warps: Triton pipelining depth
-            and warps of the split kernel.
+            and warps of the split kernel (default warps: ``SMALL_BATCH_WARPS`` for ``B * Hkv <= 16``, else 4).
         ptx_unpack: unpack codes with the PTX magic-number trick (default: on CUDA, for ``g = d``).
 
     Returns:
@@ -420,6 +425,8 @@ def decode_int2(
     # GQA group padded to the 16-row minimum of a tensor-core dot; BF16 tiles of 32 tokens (segments are short).
     block_h = max(16, triton.next_power_of_2(gqa))
     fp32_dot = _interpreting() or q.device.type != "cuda"
+    if num_warps is None:
+        num_warps = SMALL_BATCH_WARPS if bsz * hkv <= 16 else 4
     if ptx_unpack is None:
         ptx_unpack = not fp32_dot and g == d
     _decode_int2_kernel[(bsz, hkv, parts)](
@@ -449,7 +456,7 @@ def decode_int2(
         part_lse.stride(0), part_lse.stride(1),
         *rot_v.stride(),
         *out.stride(),
-        GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d, GROUP_SIZE=g,
+        GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d,
         BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=rot_v.shape[0] > 1,
         num_warps=4,
     )
