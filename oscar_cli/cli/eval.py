@@ -10,7 +10,7 @@ import typer
 
 from ..config import DEFAULT_MODEL, DEFAULT_STORE
 from ..errors import OscarError
-from ._app import JsonOpt, ModelOpt, StoreOpt, app, console, guarded, out
+from ._app import JsonOpt, RecipeOpt, StoreOpt, app, console, guarded, out
 
 DEFAULT_PPL_WINDOWS = 4
 """Windows per sequence length for ``oscar_ppl`` when ``--limit`` is not given."""
@@ -29,21 +29,24 @@ def _ints(spec: str, flag: str) -> list[int]:
 @app.command("eval")
 @guarded
 def eval_cmd(
-    tasks: Annotated[str, typer.Option("--tasks", "-t", help="Comma-separated: oscar_ppl, ruler, niah_single_1, "
-                                       "niah_multikey_2/3, oscar_niah, or any lm-eval task.")] = "oscar_ppl",
-    methods: Annotated[str, typer.Option("--methods", help="Comma-separated KV methods (oscar_cli.methods): bf16, "
-                                         "int2-naive, int2-kivi, int2-hadamard[-clip], oscar[@REF], int4-*, "
-                                         "hf-quantized.")] = "bf16,int2-naive,int2-hadamard,oscar",
-    model: ModelOpt = DEFAULT_MODEL,
-    artifact: Annotated[str, typer.Option("--artifact", help="Artifact for oscar methods: latest, vN, model/vN or a "
-                                          "path.")] = "latest",
-    sink: Annotated[int, typer.Option("--sink", help="First real tokens kept exact.")] = 16,
-    recent: Annotated[int, typer.Option("--recent", help="Last tokens kept exact.")] = 64,
-    limit: Annotated[int | None, typer.Option("--limit", help="Windows per length (oscar_ppl) / samples per task.")] = None,
-    seq_lengths: Annotated[str, typer.Option("--seq-lengths", help="Token lengths: oscar_ppl windows, RULER/NIAH "
-                                             "contexts.")] = "1024",
+    tasks: Annotated[str | None, typer.Option("--tasks", "-t", help="Comma-separated: oscar_ppl, ruler, niah_single_1, "
+                                              "niah_multikey_2/3, oscar_niah, or any lm-eval task. [oscar_ppl]")] = None,
+    methods: Annotated[str | None, typer.Option("--methods", help="Comma-separated KV methods (oscar_cli.methods): "
+                                                "bf16, int2-naive, int2-kivi, int2-hadamard[-clip], oscar[@REF], "
+                                                "int4-*, hf-quantized. REF: latest, vN, a path, or fit:METHOD[+per-head] "
+                                                "(newest artifact of that fit method). [bf16,int2-naive,int2-hadamard,oscar]")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help=f"Model spec (see oscar collect). [{DEFAULT_MODEL}]")] = None,
+    artifact: Annotated[str, typer.Option("--artifact", help="Artifact for oscar methods without @REF: latest, vN, "
+                                          "model/vN or a path.")] = "latest",
+    sink: Annotated[int | None, typer.Option("--sink", help="First real tokens kept exact. [16]")] = None,
+    recent: Annotated[int | None, typer.Option("--recent", help="Last tokens kept exact. [64]")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="Windows per length (oscar_ppl, default 4) / samples "
+                                              "per task.")] = None,
+    seq_lengths: Annotated[str | None, typer.Option("--seq-lengths", help="Token lengths: oscar_ppl windows, "
+                                                    "RULER/NIAH contexts. [1024]")] = None,
     data: Annotated[Path | None, typer.Option("--data", help="Text file for oscar_ppl (default: built-in held-out "
                                               "text).")] = None,
+    recipe: RecipeOpt = None,
     json_out: JsonOpt = False,
     csv: Annotated[Path | None, typer.Option("--csv", help="Also write the results to this CSV file.")] = None,
     store: StoreOpt = DEFAULT_STORE,
@@ -52,6 +55,9 @@ def eval_cmd(
 
     Example: oscar eval --tasks oscar_ppl --methods bf16,int2-naive,int2-hadamard,oscar --sink 16 --recent 64 \
 --seq-lengths 1024 --limit 8
+
+    With --recipe, the recipe's eval section (tasks, methods, sink, recent, limit, seq_lengths) fills the flags that
+    are not given.
     """
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -59,6 +65,26 @@ def eval_cmd(
     from .. import evaluate as ev
     from ..methods import parse_methods
 
+    ev_cfg: dict = {}
+    if recipe is not None:
+        from ..config import load_recipe
+
+        rec = load_recipe(recipe)
+        ev_cfg = dict(rec.eval)
+        model = model or rec.model
+
+    def pick(flag, key, default):
+        if flag is not None:
+            return flag
+        val = ev_cfg.get(key, default)
+        return ",".join(str(v) for v in val) if isinstance(val, list) else val
+
+    tasks = pick(tasks, "tasks", "oscar_ppl")
+    methods = pick(methods, "methods", "bf16,int2-naive,int2-hadamard,oscar")
+    seq_lengths = str(pick(seq_lengths, "seq_lengths", "1024"))
+    sink, recent = int(pick(sink, "sink", 16)), int(pick(recent, "recent", 64))
+    limit = pick(limit, "limit", None)
+    model = model or DEFAULT_MODEL
     method_list = parse_methods(methods)
     task_list = [t.strip() for t in tasks.split(",") if t.strip()]
     if not task_list:
@@ -87,7 +113,7 @@ def eval_cmd(
         if m.needs_artifact:
             ref = m.arg or artifact
             if ref not in artifacts:
-                artifacts[ref] = load_artifact(st.resolve_artifact(ref, loaded.slug), loaded.fingerprint)
+                artifacts[ref] = load_artifact(_resolve_ref(st, ref, loaded.slug), loaded.fingerprint)
     text_ids = None
     if ev.PPL_TASK in task_list:
         from ..data import heldout_text, read_text_file
@@ -140,6 +166,39 @@ def eval_cmd(
                 progress.advance(bar)
     st.record_evals(rows)
     _render(rows, json_out, csv)
+
+
+def _resolve_ref(st, ref: str, slug: str) -> Path:
+    """``fit:METHOD[+per-head]`` -> the newest artifact of that fit method; anything else -> the store's resolver."""
+    if not ref.startswith("fit:"):
+        return st.resolve_artifact(ref, slug)
+    want, _, flag = ref[4:].partition("+")
+    per_head = flag == "per-head"
+    if flag not in ("", "per-head"):
+        raise OscarError(f"artifact ref {ref!r}: use fit:METHOD or fit:METHOD+per-head")
+    for a in reversed(st.list_artifacts(slug)):
+        if a["method"] != want:
+            continue
+        try:
+            manifest = json.loads((Path(a["path"]) / "manifest.json").read_text())
+        except OSError:
+            continue
+        if bool(_find(manifest, "per_head")) == per_head:
+            return Path(a["path"])
+    raise OscarError(f"no artifact fitted with method {want}{' per head' if per_head else ''} for {slug}; "
+                     f"run: oscar fit --method {want}{' --per-head' if per_head else ''}")
+
+
+def _find(d, key):
+    """First value of ``key`` anywhere in a nested dict (manifests nest the fit config)."""
+    if isinstance(d, dict):
+        if key in d:
+            return d[key]
+        for v in d.values():
+            r = _find(v, key)
+            if r is not None:
+                return r
+    return None
 
 
 def _render(rows: list[dict], json_out: bool, csv: Path | None) -> None:
