@@ -42,7 +42,9 @@ def test_decode_default_out_dtype():
     gen = torch.Generator().manual_seed(5)
     got, ref = _run(4, 128, 128, gen)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
-    torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=1e-2)  # bf16 rounding of the output
+    # bf16 rounding of the output on top of the kernel's own error
+    torch.testing.assert_close(got.float(), ref, **(dict(atol=6e-2, rtol=5e-2) if ON_GPU else dict(atol=3e-2, rtol=1e-2)))
+    assert rel_err(got, ref) <= 1e-2
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
