@@ -73,16 +73,19 @@ FIT_METHODS = {
     # name: (key basis, value basis, use P, use H, random signs)
     "identity": (None, None, False, False, False),
     "hadamard": (None, None, False, True, True),
-    "oscar": ("q", "s", True, True, False),
-    "oscar-uh": ("q", "s", False, True, False),
-    "oscar-u": ("q", "s", False, False, False),
-    "oscar-out": ("q", "o", True, True, False),
+    "oscar": ("q@k", "s", True, True, False),
+    "oscar-uh": ("q@k", "s", False, True, False),
+    "oscar-u": ("q@k", "s", False, False, False),
+    "oscar-q": ("q", "s", True, True, False),
+    "oscar-out": ("q@k", "o", True, True, False),
     "kcov": ("k", "v", True, True, False),
     "kcov-uh": ("k", "v", False, True, False),
     "kcov-u": ("k", "v", False, False, False),
 }
-"""Rotation methods for ``oscar fit``. Key basis ``q`` = eigenbasis of C_Q, ``k`` = of C_K; value basis ``s`` = the
-score-weighted C_S, ``o`` = the attention-output covariance C_O, ``v`` = C_V."""
+"""Rotation methods for ``oscar fit``. Key basis ``q`` = eigenbasis of C_Q; ``q@k`` = eigenbasis of C_Q anchored on
+the leading direction of C_K (the keys' shared offset goes to the Hadamard's constant row, where the zero point
+absorbs it; see ``rotation.anchored_eigh``); ``k`` = eigenbasis of C_K. Value basis ``s`` = the score-weighted C_S,
+``o`` = the attention-output covariance C_O, ``v`` = C_V."""
 
 
 @dataclass(frozen=True)

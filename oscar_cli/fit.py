@@ -131,12 +131,14 @@ def method_rotations(data: LayerData, method: str, group: int, per_head: bool) -
         return c if per_head else c.mean(0, keepdim=True)
 
     def build(basis: str | None, fallback: str) -> tuple[torch.Tensor, torch.Tensor]:
-        target = per(covs[basis or fallback])
+        name, _, anchor_name = (basis or fallback).partition("@")
+        target = per(covs[name])
+        anchors = per(covs[anchor_name]) if anchor_name else [None] * len(target)
         rs, es = [], []
-        for c in target:
-            es.append(rot.eigh_desc(c)[0])
+        for c, a in zip(target, anchors, strict=True):
+            es.append(rot.eigh_desc(c)[0] if a is None else rot.anchored_eigh(a, c)[0])
             rs.append(rot.compose(c, use_u=basis is not None, use_p=use_p, use_h=use_h, group=group,
-                                  signs_seed=HADAMARD_SEED if signs else None))
+                                  signs_seed=HADAMARD_SEED if signs else None, anchor=a))
         return torch.stack(rs), torch.stack(es)
 
     r_k, e_k = build(kb, "q")

@@ -3,7 +3,8 @@
 Conventions. Rows are rotated on the right: ``x' = x @ R`` for a key/value row ``x`` of ``d`` elements, and queries
 use the same ``R_K`` (``q' = q @ R_K``), so ``q' · k' = q · k`` exactly because ``R`` is orthogonal.
 
-* ``U`` (d × d): eigenvectors of a target covariance as columns, eigenvalues in descending order.
+* ``U`` (d × d): eigenvectors of a target covariance as columns, eigenvalues in descending order (optionally with
+  an anchor direction first, see :func:`anchored_eigh`).
 * ``P`` (d × d): the bit-reversal placement of that order, ``P[:, br(i)] = e_i``: column ``br(i)`` of ``U @ P`` is the
   eigenvector of the i-th largest eigenvalue. ``br`` is the bit reversal of ``i`` over ``ceil(log2 d)`` bits,
   pruned to values below ``d`` when ``d`` is not a power of two (keep the bit-reversed sequence of
@@ -164,6 +165,28 @@ def eigh_desc(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return evals, evecs * signs
 
 
+def anchored_eigh(anchor_cov: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A basis whose first column is the leading eigenvector ``a`` of ``anchor_cov`` and whose other columns are the
+    eigenvectors of ``cov`` restricted to the complement of ``a`` (descending). Returns ``(eigenvalues, U)`` float64;
+    eigenvalue 0 is the Rayleigh quotient ``aᵀ cov a``.
+
+    Why: with ``U · P · H``, column 0 of ``U`` lands on position ``br(0) = 0`` and then on the first row of ``H`` (the
+    constant vector ``1/sqrt(g)``), which a per-group asymmetric quantizer absorbs in its zero point at no cost. For
+    keys, the leading direction of the uncentred key second moment is their large shared offset; anchoring it there
+    takes it out of every row's range, while the rest of the basis still follows the query covariance.
+    """
+    a = eigh_desc(anchor_cov)[1][:, :1]
+    c = cov.double()
+    proj = torch.eye(c.shape[0], dtype=torch.float64) - a @ a.T
+    evals, evecs = eigh_desc(proj @ c @ proj)
+    # the complement's null direction is a itself (eigenvalue ~0): drop the column most aligned with it
+    drop = (evecs.T @ a).abs().squeeze(1).argmax()
+    keep = [i for i in range(c.shape[0]) if i != drop]
+    u = torch.cat([a, evecs[:, keep]], 1)
+    lead = (a.T @ c @ a).view(1)
+    return torch.cat([lead, evals[keep]]), u
+
+
 def random_signs(d: int, seed: int) -> torch.Tensor:
     """Diagonal ``[d, d]`` of ±1 drawn from a seeded generator (float64)."""
     g = torch.Generator().manual_seed(seed)
@@ -179,11 +202,13 @@ def compose(
     use_h: bool,
     group: int,
     signs_seed: int | None = None,
+    anchor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Build ``R = [S] · [U] · [P] · [H]`` (float64 ``[d, d]``); each factor is optional.
 
     ``cov``: float ``[d, d]`` target covariance (needed when ``use_u``). ``signs_seed`` adds the random-sign diagonal
-    ``S`` in front (the data-free QuaRot-style rotation is ``S · H``).
+    ``S`` in front (the data-free QuaRot-style rotation is ``S · H``). ``anchor``: a ``[d, d]`` covariance whose
+    leading eigenvector becomes U's first column (see :func:`anchored_eigh`).
     """
     if use_u and cov is None:
         raise ValueError("an eigenbasis rotation needs a covariance")
@@ -194,7 +219,7 @@ def compose(
     if signs_seed is not None:
         r = r @ random_signs(d, signs_seed)
     if use_u:
-        r = r @ eigh_desc(cov)[1]
+        r = r @ (anchored_eigh(anchor, cov)[1] if anchor is not None else eigh_desc(cov)[1])
     if use_p:
         r = r @ placement(d)
     if use_h:

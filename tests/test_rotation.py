@@ -77,3 +77,27 @@ def test_upph_puts_the_leading_eigenvector_where_bit_reversal_says():
     br = rot.bit_reversal(16)
     for i in range(16):
         torch.testing.assert_close(up[:, br[i]], u[:, i])
+
+
+def test_anchored_basis_puts_the_anchor_first_and_stays_orthogonal():
+    x, _, _ = _planted(16, 20_000, seed=4)
+    offset = torch.zeros(16, dtype=torch.float64)
+    offset[3] = 20.0
+    keys = x + offset  # a large shared offset along e_3
+    anchor = keys.T @ keys / keys.shape[0]
+    cq = x.T @ x / x.shape[0]
+    evals, u = rot.anchored_eigh(anchor, cq)
+    assert rot.orthogonality_error(u) < 1e-12
+    assert u[:, 0].abs().argmax().item() == 3 and u[3, 0].abs() > 0.99
+    torch.testing.assert_close(evals[0], u[:, 0] @ cq @ u[:, 0])
+    assert (evals[1:].diff() <= 1e-12).all()
+
+
+def test_anchor_lands_on_the_constant_hadamard_row_and_costs_nothing():
+    """Rows that are a constant offset along the anchor quantize exactly after U·P·H (the zero point absorbs it)."""
+    x, _, _ = _planted(16, 4096, seed=5)
+    a = torch.randn(16, dtype=torch.float64)
+    a /= a.norm()
+    r = rot.compose(x.T @ x, use_u=True, use_p=True, use_h=True, group=16, anchor=torch.outer(a, a) * 100 + torch.eye(16) * 1e-3)
+    y = (5.0 * a) @ r
+    torch.testing.assert_close(y, torch.full_like(y, y[0].item()), atol=1e-9, rtol=0)
