@@ -11,7 +11,7 @@ BF16_LENS = [36, 7, 0] if ON_GPU else [4, 3, 0]
 HKV = 4 if ON_GPU else 2
 TOL = dict(atol=5e-2, rtol=5e-2) if ON_GPU else dict(atol=1e-4, rtol=1e-4)
 MAX_REL = 1e-2 if ON_GPU else 1e-5
-BLOCKS = dict(block_m=64, block_n=64) if ON_GPU else dict(block_m=16, block_n=16)
+BLOCKS = dict(block_m=64, block_n=64) if ON_GPU else dict(block_m=32, block_n=32)  # few interpreted programs
 
 
 def _indptr(lens):
