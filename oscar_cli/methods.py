@@ -34,7 +34,7 @@ from . import quantizer
 from .errors import OscarError
 
 DEFAULT_HADAMARD_CLIP = (0.96, 0.92)
-"""Fixed (key, value) clip ratios of ``*-hadamard-clip``: the best pair of a small grid on the embedded default."""
+"""Fixed (key, value) clip ratios of ``*-hadamard-clip`` (a data-free baseline: the same pair for every model)."""
 HADAMARD_SEED = 0
 """Seed of the random signs of the data-free Hadamard rotation (fixed so that results are reproducible)."""
 KIVI_GROUP = 32

@@ -127,3 +127,33 @@ def test_embedded_default_ordering_on_heldout_text(tmp_path):
     ppl = {m: ev.perplexity(lm.model, wins, ev.prepare(lm.model, get_method(m), 16, 64))
            for m in ["bf16", "int2-hadamard-clip", "int2-hadamard", "int2-naive"]}
     assert ppl["bf16"] < ppl["int2-hadamard-clip"] < ppl["int2-hadamard"] < ppl["int2-naive"]
+
+
+def test_offline_ruler_and_niah_respect_num_samples():
+    """--limit reaches the generators: RULER builds num_samples rows per length, not 500."""
+    from oscar_cli.tasks import TOKENIZERS
+    from oscar_cli.tasks import niah, ruler_offline
+
+    TOKENIZERS["tiny-test"] = tiny_tokenizer()
+    ds = ruler_offline.niah_single_1(tokenizer="tiny-test", max_seq_lengths=[512], num_samples=3)["test"]
+    assert len(ds) == 3 and set(ds["max_length"]) == {512}
+    assert all(o[0] in i for i, o in zip(ds["input"], ds["outputs"]))
+    grid = niah.grid(tokenizer="tiny-test", max_seq_lengths=[256, 384], num_samples=5)["test"]
+    assert len(grid) == 10 and sorted(set(grid["depth"])) == [0.1, 0.3, 0.5, 0.7, 0.9]
+    assert all(a in i for a, i in zip(grid["answer"], grid["input"]))
+    assert niah.process_results(grid[0], [f" {grid[0]['answer']}."])["acc"] == 1.0
+
+
+@pytest.mark.slow
+def test_embedded_default_ruler_through_lm_eval(tmp_path):
+    """RULER niah_single_1 offline through lm-eval with an INT2 cache: 2 samples at 1k tokens, scores in [0, 1]."""
+    from oscar_cli.models import load_model
+    from oscar_cli.tasks import TOKENIZERS
+
+    lm = load_model("smollm2-135m", tmp_path)
+    TOKENIZERS["embedded"] = lm.tokenizer
+    olm = ev.oscar_lm_class()(pretrained=lm.model, tokenizer=lm.tokenizer, method="int2-hadamard-clip", sink=16,
+                              recent=64, batch_size=1, max_length=1280, device="cpu")
+    res = ev.run_lm_eval(olm, ev.expand_tasks(["ruler"]), 2, {"tokenizer": "embedded", "max_seq_lengths": [1024]})
+    r = res["oscar_ruler_niah_single_1"]
+    assert r["sample_len"] == 2 and 0.0 <= r["1024"] <= 1.0

@@ -156,12 +156,13 @@ def eval_cmd(
                                          max_length=max(lengths) + 256)
                 res = ev.run_lm_eval(lm, lm_tasks, limit, {"tokenizer": tok_name, "max_seq_lengths": lengths})
                 for task, metrics in res.items():
+                    samples = metrics.pop("sample_len", None)
                     for metric, value in metrics.items():
                         if value == -1.0:
                             continue  # RULER's placeholder for lengths that were not run
                         n = int(metric) if metric.isdigit() else max(lengths)
                         rows.append(dict(base, task=task.removeprefix("oscar_ruler_"), metric=metric, value=value,
-                                         config=dict(cfg, seq_len=n, seq_lengths=lengths),
+                                         config=dict(cfg, seq_len=n, seq_lengths=lengths, samples=samples),
                                          bits_per_element=ev.element_bits(prep, loaded.model, n)))
                 progress.advance(bar)
     st.record_evals(rows)

@@ -35,13 +35,14 @@ def grid(**kwargs):
         for i in range(num):
             depth = depths[i % len(depths)]
             key, value = rng.choice(WORDS) + "-" + rng.choice(WORDS), str(rng.randint(1_000_000, 9_999_999))
-            needle = tok(f" The special magic number for {key} is {value}. ", add_special_tokens=False)["input_ids"]
+            needle_text = f" The special magic number for {key} is {value}. "
+            needle = tok(needle_text, add_special_tokens=False)["input_ids"]
             q = QUESTION.format(key=key)
             budget = n - len(needle) - len(tok(q, add_special_tokens=False)["input_ids"]) - 16
             start = rng.randrange(0, max(1, len(hay) - budget))
             ctx = hay[start : start + budget]
             at = int(len(ctx) * depth)
-            text = tok.decode(ctx[:at] + needle + ctx[at:]) + q
+            text = tok.decode(ctx[:at]) + needle_text + tok.decode(ctx[at:]) + q
             rows.append({"input": text, "answer": value, "max_length": n, "depth": depth})
     return {"test": datasets.Dataset.from_list(rows, split=datasets.Split.TEST)}
 
