@@ -131,16 +131,15 @@ def test_embedded_default_ordering_on_heldout_text(tmp_path):
 
 def test_offline_ruler_and_niah_respect_num_samples():
     """--limit reaches the generators: RULER builds num_samples rows per length, not 500."""
-    from oscar_cli.tasks import TOKENIZERS
-    from oscar_cli.tasks import niah, ruler_offline
+    from oscar_cli.tasks import TOKENIZERS, niah, ruler_offline
 
     TOKENIZERS["tiny-test"] = tiny_tokenizer()
     ds = ruler_offline.niah_single_1(tokenizer="tiny-test", max_seq_lengths=[512], num_samples=3)["test"]
     assert len(ds) == 3 and set(ds["max_length"]) == {512}
-    assert all(o[0] in i for i, o in zip(ds["input"], ds["outputs"]))
+    assert all(o[0] in i for i, o in zip(ds["input"], ds["outputs"], strict=True))
     grid = niah.grid(tokenizer="tiny-test", max_seq_lengths=[256, 384], num_samples=5)["test"]
     assert len(grid) == 10 and sorted(set(grid["depth"])) == [0.1, 0.3, 0.5, 0.7, 0.9]
-    assert all(a in i for a, i in zip(grid["answer"], grid["input"]))
+    assert all(a in i for a, i in zip(grid["answer"], grid["input"], strict=True))
     assert niah.process_results(grid[0], [f" {grid[0]['answer']}."])["acc"] == 1.0
 
 
