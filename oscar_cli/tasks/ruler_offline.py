@@ -24,10 +24,30 @@ def _tokenizer(kwargs: dict):
     return get_tokenizer(name)
 
 
-def _build(kwargs: dict, haystack: str, needle_v: str, **extra):
-    import datasets
+def _import_ruler():
+    """Import lm-eval's RULER generators without the network: on import they try to download nltk's punkt_tab,
+    which only the essay haystack (hub data) uses; offline that attempt waits for a network timeout."""
+    import sys
+
+    if "lm_eval.tasks.ruler.prepare_niah" not in sys.modules:
+        import nltk
+
+        download = nltk.download
+        nltk.download = lambda *a, **k: False
+        try:
+            import lm_eval.tasks.ruler.prepare_niah  # noqa: F401
+        finally:
+            nltk.download = download
     from lm_eval.tasks.ruler.niah_utils import TEMPLATE
     from lm_eval.tasks.ruler.prepare_niah import generate_samples, get_haystack
+
+    return TEMPLATE, generate_samples, get_haystack
+
+
+def _build(kwargs: dict, haystack: str, needle_v: str, **extra):
+    import datasets
+
+    TEMPLATE, generate_samples, get_haystack = _import_ruler()
 
     kwargs = dict(kwargs)
     seq_lengths = kwargs.pop("max_seq_lengths", [4096])
@@ -56,6 +76,7 @@ def niah_multikey_3(**kwargs):
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
     """RULER's string match, reported under the sample's length (other lengths -1, dropped by the aggregation)."""
+    _import_ruler()
     from lm_eval.tasks.ruler.common_utils import postprocess_pred, string_match_all
 
     metrics = {str(n): -1.0 for n in SEQ_LENGTHS}
