@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from . import attention as attn
+from . import fused
 from .errors import OscarError
 from .methods import (
     LayerQuant,
@@ -122,18 +123,21 @@ class OscarLayer(DynamicLayer):
         lq, w = self.lq, self.windows
         qend = self.qstart + quantized_count(n, self.qstart, w.recent, lq.token_block)
         ts = self.tail_start
-        # exact rows over [0, n): head, a gap that every row reads quantized, then the tail
-        b, h, _, d = self.keys.shape
-        if ts > 0:
-            head_k = self.head_k if self.head_k is not None else self.keys[:, :, :0]
-            head_v = self.head_v if self.head_v is not None else self.values[:, :, :0]
-            fill = self.keys.new_zeros(b, h, ts - head_k.shape[2], d)
-            k_ex = torch.cat([head_k, fill, self.keys], 2)
-            v_ex = torch.cat([head_v, fill, self.values], 2)
+        if qend > self.qstart and fused.usable(self, query):
+            return fused.decode(self, query, scaling, qend)
+        # exact rows: the head [0, len_head) and the tail [ts, n); positions in between are read quantized by all rows
+        k_pos = None
+        if ts > 0 and self.head_k is not None:
+            k_ex, v_ex = torch.cat([self.head_k, self.keys], 2), torch.cat([self.head_v, self.values], 2)
+            hl = self.head_k.shape[2]
+            k_pos = torch.cat([torch.arange(hl), torch.arange(ts, n)]).to(query.device)
+        elif ts > 0:
+            k_ex, v_ex = self.keys, self.values
+            k_pos = torch.arange(ts, n, device=query.device)
         else:
             k_ex, v_ex = self.keys, self.values
         if qend <= self.qstart:
-            return attn.mixed_attention(query, k_ex, v_ex, allowed, scaling)
+            return attn.mixed_attention(query, k_ex, v_ex, allowed, scaling, k_pos=k_pos)
         # round trips over [qstart, qend): stored codes, then rows leaving the tail now
         parts_k, parts_v = [], []
         if self.codes_k is not None:
@@ -147,7 +151,7 @@ class OscarLayer(DynamicLayer):
             parts_v.append(dequantize_rows(new[1], lq, "v"))
         k_rt, v_rt = torch.cat(parts_k, 2), torch.cat(parts_v, 2)
         use = attn.rt_mask(q_pos, self.qstart, qend - self.qstart, self.sink_end, self.qstart, w.recent, lq.token_block)
-        out = attn.mixed_attention(query, k_ex, v_ex, allowed, scaling, k_rt, v_rt, use, self.qstart)
+        out = attn.mixed_attention(query, k_ex, v_ex, allowed, scaling, k_rt, v_rt, use, self.qstart, k_pos)
         if qend > ts:
             self._flush(ts, qend, new)
         return out

@@ -11,6 +11,8 @@ import torch
 
 EMBEDDED = "smollm2-135m"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: fail fast instead of retrying the network
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in the interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
