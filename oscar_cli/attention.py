@@ -111,26 +111,29 @@ def mixed_attention(
     v_rt: torch.Tensor | None = None,
     use_rt: torch.Tensor | None = None,
     rt_start: int = 0,
+    k_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over exact keys plus, where ``use_rt`` says so, round-tripped keys. This is the reference
     "attend over cache" step.
 
-    q: ``[B, Hq, T, d]``; k, v: ``[B, Hkv, n, d]`` exact (any content where unused); allowed: bool ``[B, 1, T, n]``;
-    k_rt, v_rt: ``[B, Hkv, L, d]`` round trips of positions ``rt_start .. rt_start + L``; use_rt: bool
-    ``[B, 1, T, L]``. Returns ``[B, T, Hq, d]`` in ``q.dtype``.
+    q: ``[B, Hq, T, d]``; k, v: ``[B, Hkv, n_ex, d]`` exact rows at positions ``k_pos [n_ex]`` (default
+    ``0 .. n_ex - 1``); allowed: bool ``[B, 1, T, n]`` over all ``n`` positions; k_rt, v_rt: ``[B, Hkv, L, d]`` round
+    trips of positions ``rt_start .. rt_start + L``; use_rt: bool ``[B, 1, T, L]``. Every position a query may see must
+    be among the exact rows or the round trips it uses. Returns ``[B, T, Hq, d]`` in ``q.dtype``.
     """
-    n = k.shape[2]
+    n = allowed.shape[-1]
+    ex_ok = allowed if k_pos is None else allowed.index_select(-1, k_pos)
     if k_rt is not None and k_rt.shape[2] > 0:
         L = k_rt.shape[2]
         sel = torch.zeros(allowed.shape[:-1] + (n,), dtype=torch.bool, device=allowed.device)
         sel[..., rt_start : rt_start + L] = use_rt
-        exact_ok = allowed & ~sel
+        ex_sel = sel if k_pos is None else sel.index_select(-1, k_pos)
         rt_ok = allowed[..., rt_start : rt_start + L] & use_rt
-        mask = torch.cat([exact_ok, rt_ok], dim=-1)
+        mask = torch.cat([ex_ok & ~ex_sel, rt_ok], dim=-1)
         keys = torch.cat([k, k_rt.to(k.dtype)], dim=2)
         vals = torch.cat([v, v_rt.to(v.dtype)], dim=2)
     else:
-        mask, keys, vals = allowed, k, v
+        mask, keys, vals = ex_ok, k, v
     mask = mask | ~mask.any(-1, keepdim=True)  # fully masked (padding) queries: attend anywhere, stay finite
     gqa = q.shape[1] != keys.shape[1]
     outs = []
