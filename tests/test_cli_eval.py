@@ -87,3 +87,28 @@ def test_oscar_without_artifact_is_a_clear_error(stub_model, tmp_path):
     r = CliRunner().invoke(app, ["eval", "--methods", "oscar", "--data", str(data), "--seq-lengths", "64",
                                  "--store", str(tmp_path / "st")])
     assert r.exit_code == 1 and "artifact" in r.output
+
+
+def test_fit_method_refs_pick_the_newest_matching_artifact(tmp_path):
+    from oscar_cli.errors import OscarError
+
+    arts = []
+    for i, (method, per_head) in enumerate([("kcov", True), ("kcov", False), ("kcov", True), ("oscar", False)]):
+        p = tmp_path / f"v{i + 1}"
+        p.mkdir()
+        (p / "manifest.json").write_text(json.dumps({"method": method, "per_head": per_head}))
+        arts.append({"method": method, "path": str(p)})
+
+    class FakeStore:
+        def list_artifacts(self, slug):
+            return arts
+
+        def resolve_artifact(self, ref, slug):
+            return tmp_path / ref
+
+    st = FakeStore()
+    assert eval_cli._resolve_ref(st, "fit:kcov+per-head", "m").name == "v3"
+    assert eval_cli._resolve_ref(st, "fit:kcov", "m").name == "v2"
+    assert eval_cli._resolve_ref(st, "v1", "m").name == "v1"
+    with pytest.raises(OscarError, match="oscar fit --method kcov-uh"):
+        eval_cli._resolve_ref(st, "fit:kcov-uh", "m")
