@@ -137,12 +137,16 @@ def _nll_decoding(model, window: torch.Tensor, prep: Prepared) -> tuple[float, i
 
 
 @torch.no_grad()
-def perplexity(model, windows: torch.Tensor, prep: Prepared, advance: Callable[[], None] | None = None) -> float:
-    """Token perplexity of ``windows [W, L]`` (each predicts tokens 1..L-1 from its own prefix)."""
+def perplexity(model, windows: torch.Tensor, prep: Prepared, advance: Callable[[], None] | None = None,
+               decode: bool = False) -> float:
+    """Token perplexity of ``windows [W, L]`` (each predicts tokens 1..L-1 from its own prefix).
+
+    Teacher-forced through the decode-equivalent attention by default; ``decode=True`` feeds the tokens one at a time
+    through the method's cache instead (on CUDA, INT2 decode steps then run the fused kernels)."""
     dev = next(model.parameters()).device
     nll, count = 0.0, 0
     for w in windows:
-        if prep.method.cache_only:
+        if prep.method.cache_only or decode:
             s, c = _nll_decoding(model, w, prep)
         else:
             x = w.to(dev)[None]

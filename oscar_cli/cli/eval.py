@@ -46,6 +46,9 @@ def eval_cmd(
                                                     "RULER/NIAH contexts. [1024]")] = None,
     data: Annotated[Path | None, typer.Option("--data", help="Text file for oscar_ppl (default: built-in held-out "
                                               "text).")] = None,
+    decode: Annotated[bool, typer.Option("--decode/--teacher-forced", help="oscar_ppl: feed tokens one at a time "
+                                         "through the cache (on CUDA through the fused INT2 kernels) instead of "
+                                         "teacher-forced decode-equivalent attention.")] = False,
     recipe: RecipeOpt = None,
     json_out: JsonOpt = False,
     csv: Annotated[Path | None, typer.Option("--csv", help="Also write the results to this CSV file.")] = None,
@@ -140,9 +143,10 @@ def eval_cmd(
                 for n in lengths:
                     progress.update(bar, description=f"{m.label} oscar_ppl@{n}")
                     wins = ev.windows_of(text_ids, n, limit or DEFAULT_PPL_WINDOWS)
-                    ppl = ev.perplexity(loaded.model, wins, prep, lambda: progress.advance(bar))
+                    ppl = ev.perplexity(loaded.model, wins, prep, lambda: progress.advance(bar), decode=decode)
                     rows.append(dict(base, task=ev.PPL_TASK, metric="ppl", value=ppl,
                                      config=dict(cfg, seq_len=n, windows=len(wins),
+                                                 mode="decode" if decode or m.cache_only else "teacher-forced",
                                                  data=str(data) if data else "builtin:heldout"),
                                      bits_per_element=ev.element_bits(prep, loaded.model, n)))
             if lm_tasks:
