@@ -145,7 +145,7 @@ def test_offline_ruler_and_niah_respect_num_samples():
 
 @pytest.mark.slow
 def test_embedded_default_ruler_through_lm_eval(tmp_path):
-    """RULER niah_single_1 offline through lm-eval with an INT2 cache: 2 samples at 1k tokens, scores in [0, 1]."""
+    """RULER niah_single_1 offline through lm-eval with an INT2 cache: --limit 1 gives 1 sample at 1k tokens."""
     from oscar_cli.models import load_model
     from oscar_cli.tasks import TOKENIZERS
 
@@ -153,6 +153,6 @@ def test_embedded_default_ruler_through_lm_eval(tmp_path):
     TOKENIZERS["embedded"] = lm.tokenizer
     olm = ev.oscar_lm_class()(pretrained=lm.model, tokenizer=lm.tokenizer, method="int2-hadamard-clip", sink=16,
                               recent=64, batch_size=1, max_length=1280, device="cpu")
-    res = ev.run_lm_eval(olm, ev.expand_tasks(["ruler"]), 2, {"tokenizer": "embedded", "max_seq_lengths": [1024]})
+    res = ev.run_lm_eval(olm, ev.expand_tasks(["ruler"]), 1, {"tokenizer": "embedded", "max_seq_lengths": [1024]})
     r = res["oscar_ruler_niah_single_1"]
-    assert r["sample_len"] == 2 and 0.0 <= r["1024"] <= 1.0
+    assert r["sample_len"] == 1 and r["1024"] in (0.0, 1.0)
