@@ -43,3 +43,21 @@ def tiny_model_dir(tmp_path_factory, embedded_store) -> Path:
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
             shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="session")
+def embedded_artifact(embedded_store, tmp_path_factory) -> Path:
+    """``oscar collect`` (16,384 tokens) and ``oscar fit --per-head`` on the embedded default; returns the artifact."""
+    from typer.testing import CliRunner
+
+    from oscar_cli.cli import app
+
+    arts = tmp_path_factory.mktemp("artifacts")
+    runner = CliRunner()
+    r = runner.invoke(app, ["collect", "--store", str(embedded_store), "--tokens", "16384", "--seq-len", "512",
+                            "--batch-size", "8"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["fit", "--store", str(embedded_store), "--artifacts", str(arts), "--per-head",
+                            "--sink", "16", "--recent", "64"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return next(arts.glob("*/v1"))

@@ -117,16 +117,19 @@ def test_oscar_lm_loglikelihood_and_generate_use_the_method():
 
 
 @pytest.mark.slow
-def test_embedded_default_ordering_on_heldout_text(tmp_path):
-    """One 1k window of the held-out text: bf16 < int2-hadamard-clip < int2-hadamard < int2-naive."""
+def test_embedded_default_ordering_on_heldout_text(embedded_store, embedded_artifact):
+    """One 1k window of the held-out text, sink 16 / recent 64:
+    bf16 < oscar < int2-hadamard-clip < int2-hadamard < int2-naive."""
+    from oscar_cli.artifact import load_artifact
     from oscar_cli.data import heldout_text
     from oscar_cli.models import load_model
 
-    lm = load_model("smollm2-135m", tmp_path)
+    lm = load_model("smollm2-135m", embedded_store)
+    art = load_artifact(embedded_artifact, lm.fingerprint)
     wins = ev.windows_of(ev.token_ids(lm.tokenizer, heldout_text()), 1024, 1)
-    ppl = {m: ev.perplexity(lm.model, wins, ev.prepare(lm.model, get_method(m), 16, 64))
-           for m in ["bf16", "int2-hadamard-clip", "int2-hadamard", "int2-naive"]}
-    assert ppl["bf16"] < ppl["int2-hadamard-clip"] < ppl["int2-hadamard"] < ppl["int2-naive"]
+    ppl = {m: ev.perplexity(lm.model, wins, ev.prepare(lm.model, get_method(m), 16, 64, art if m == "oscar" else None))
+           for m in ["bf16", "oscar", "int2-hadamard-clip", "int2-hadamard", "int2-naive"]}
+    assert ppl["bf16"] < ppl["oscar"] < ppl["int2-hadamard-clip"] < ppl["int2-hadamard"] < ppl["int2-naive"], ppl
 
 
 def test_offline_ruler_and_niah_respect_num_samples():
@@ -144,12 +147,12 @@ def test_offline_ruler_and_niah_respect_num_samples():
 
 
 @pytest.mark.slow
-def test_embedded_default_ruler_through_lm_eval(tmp_path):
+def test_embedded_default_ruler_through_lm_eval(embedded_store):
     """RULER niah_single_1 offline through lm-eval with an INT2 cache: --limit 1 gives 1 sample at 1k tokens."""
     from oscar_cli.models import load_model
     from oscar_cli.tasks import TOKENIZERS
 
-    lm = load_model("smollm2-135m", tmp_path)
+    lm = load_model("smollm2-135m", embedded_store)
     TOKENIZERS["embedded"] = lm.tokenizer
     olm = ev.oscar_lm_class()(pretrained=lm.model, tokenizer=lm.tokenizer, method="int2-hadamard-clip", sink=16,
                               recent=64, batch_size=1, max_length=1280, device="cpu")
