@@ -3,53 +3,26 @@
 import json
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from oscar_cli.cli import eval as eval_cli  # noqa: F401  (registers the command)
 from oscar_cli.cli._app import app
 
-WORDS = [f"w{i}" for i in range(90)]
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<pad>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
-
-
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      pad_token_id=1, eos_token_id=2, bos_token_id=2)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def text(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return " ".join(WORDS[i] for i in torch.randint(0, 90, (n,), generator=g).tolist())
-
 
 @pytest.fixture
-def stub_model(monkeypatch):
+def stub_model(monkeypatch, kit):
     from oscar_cli import models
 
     def fake_load(spec, store, dtype=None, device="cpu"):
-        return models.LoadedModel(model=tiny_llama(), tokenizer=tiny_tokenizer(), fingerprint="sha256:tiny",
+        return models.LoadedModel(model=kit.llama(), tokenizer=kit.tokenizer(), fingerprint="sha256:tiny",
                                   slug="tiny", source="memory")
 
     monkeypatch.setattr(models, "load_model", fake_load)
 
 
-def test_eval_ppl_stores_rows_and_prints_json(stub_model, tmp_path):
+def test_eval_ppl_stores_rows_and_prints_json(stub_model, tmp_path, kit):
     data = tmp_path / "text.txt"
-    data.write_text(text(400))
+    data.write_text(kit.text(400))
     csv = tmp_path / "out.csv"
     r = CliRunner().invoke(app, ["eval", "--tasks", "oscar_ppl", "--methods", "bf16,int2-naive,int2-hadamard-clip",
                                  "--sink", "2", "--recent", "8", "--seq-lengths", "64,128", "--limit", "2",
@@ -81,9 +54,9 @@ def test_bad_input_is_one_line_exit_1(stub_model, tmp_path, args, needle):
     assert needle in r.output and r.output.strip().count("\n") <= 1
 
 
-def test_oscar_without_artifact_is_a_clear_error(stub_model, tmp_path):
+def test_oscar_without_artifact_is_a_clear_error(stub_model, tmp_path, kit):
     data = tmp_path / "t.txt"
-    data.write_text(text(200))
+    data.write_text(kit.text(200))
     r = CliRunner().invoke(app, ["eval", "--methods", "oscar", "--data", str(data), "--seq-lengths", "64",
                                  "--store", str(tmp_path / "st")])
     assert r.exit_code == 1 and "artifact" in r.output

@@ -4,40 +4,14 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from oscar_cli import evaluate as ev
 from oscar_cli.methods import bits_per_element, get_method
 
-WORDS = [f"w{i}" for i in range(90)]
 
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<pad>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
-
-
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      pad_token_id=1, eos_token_id=2, bos_token_id=2)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def text(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return " ".join(WORDS[i] for i in torch.randint(0, 90, (n,), generator=g).tolist())
-
-
-def test_perplexity_bf16_matches_cross_entropy_and_quantization_hurts():
-    model, tok = tiny_llama(), tiny_tokenizer()
-    ids = ev.token_ids(tok, text(300))
+def test_perplexity_bf16_matches_cross_entropy_and_quantization_hurts(kit):
+    model, tok = kit.llama(), kit.tokenizer()
+    ids = ev.token_ids(tok, kit.text(300))
     wins = ev.windows_of(ids, 96, 3)
     assert wins.shape == (3, 96)
     p_bf16 = ev.perplexity(model, wins, ev.prepare(model, get_method("bf16"), 4, 8))
@@ -51,8 +25,8 @@ def test_perplexity_bf16_matches_cross_entropy_and_quantization_hurts():
     assert p_naive != pytest.approx(p_bf16, rel=1e-4)
 
 
-def test_windows_error_and_element_bits():
-    model = tiny_llama()
+def test_windows_error_and_element_bits(kit):
+    model = kit.llama()
     with pytest.raises(ev.EvalError, match="fewer than one window"):
         ev.windows_of(torch.arange(10), 64, None)
     prep = ev.prepare(model, get_method("int2-hadamard"), 16, 64)
@@ -80,11 +54,11 @@ def test_hub_failure_is_a_one_line_error_naming_offline_tasks(monkeypatch):
     assert "\n" not in msg and "ruler" in msg and "oscar_ppl" in msg
 
 
-def test_oscar_lm_loglikelihood_and_generate_use_the_method():
+def test_oscar_lm_loglikelihood_and_generate_use_the_method(kit):
     from lm_eval.api.instance import Instance
 
-    model, tok = tiny_llama(), tiny_tokenizer()
-    ctx, cont = text(60, 1), " " + text(4, 2)
+    model, tok = kit.llama(), kit.tokenizer()
+    ctx, cont = kit.text(60, 1), " " + kit.text(4, 2)
 
     def ll(method):
         lm = ev.oscar_lm_class()(pretrained=model, tokenizer=tok, method=method, sink=2, recent=4, batch_size=1,
@@ -132,11 +106,11 @@ def test_embedded_default_ordering_on_heldout_text(embedded_store, embedded_arti
     assert ppl["bf16"] < ppl["oscar"] < ppl["int2-hadamard-clip"] < ppl["int2-hadamard"] < ppl["int2-naive"], ppl
 
 
-def test_offline_ruler_and_niah_respect_num_samples():
+def test_offline_ruler_and_niah_respect_num_samples(kit):
     """--limit reaches the generators: RULER builds num_samples rows per length, not 500."""
     from oscar_cli.tasks import TOKENIZERS, niah, ruler_offline
 
-    TOKENIZERS["tiny-test"] = tiny_tokenizer()
+    TOKENIZERS["tiny-test"] = kit.tokenizer()
     ds = ruler_offline.niah_single_1(tokenizer="tiny-test", max_seq_lengths=[512], num_samples=3)["test"]
     assert len(ds) == 3 and set(ds["max_length"]) == {512}
     assert all(o[0] in i for i, o in zip(ds["input"], ds["outputs"], strict=True))
