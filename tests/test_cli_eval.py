@@ -42,6 +42,25 @@ def test_eval_ppl_stores_rows_and_prints_json(stub_model, tmp_path, kit):
     assert csv.read_text().count("\n") == 7
 
 
+def test_json_stays_parseable_when_libraries_print(stub_model, tmp_path, kit, monkeypatch):
+    from oscar_cli import evaluate as ev
+
+    real = ev.perplexity
+
+    def chatty(*a, **k):
+        print("a library talking on stdout")
+        return real(*a, **k)
+
+    monkeypatch.setattr(ev, "perplexity", chatty)
+    data = tmp_path / "text.txt"
+    data.write_text(kit.text(200))
+    r = CliRunner().invoke(app, ["eval", "--tasks", "oscar_ppl", "--methods", "bf16", "--seq-lengths", "64",
+                                 "--limit", "1", "--data", str(data), "--store", str(tmp_path / "st"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)[0]["method"] == "bf16"
+    assert "a library talking" in r.stderr
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--methods", "int9"], "unknown method"),
     (["--seq-lengths", "abc"], "--seq-lengths"),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -128,9 +130,10 @@ def eval_cmd(
     rows: list[dict] = []
     n_ppl = sum(min(limit or DEFAULT_PPL_WINDOWS, text_ids.numel() // n) for n in lengths) if text_ids is not None else 0
     total = len(method_list) * (n_ppl + (1 if lm_tasks else 0))
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console,
-                  disable=json_out) as progress:
+    # Libraries under lm-eval print to stdout; keep stdout for the result (JSON stays parseable).
+    with contextlib.redirect_stdout(sys.stderr), \
+            Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                     TimeElapsedColumn(), console=console, disable=json_out) as progress:
         bar = progress.add_task("evaluating", total=total)
         for m in method_list:
             art = artifacts.get(m.arg or artifact) if m.needs_artifact else None
