@@ -136,6 +136,7 @@ def eval_cmd(
                      TimeElapsedColumn(), console=console, disable=json_out) as progress:
         bar = progress.add_task("evaluating", total=total)
         for m in method_list:
+            done = len(rows)
             art = artifacts.get(m.arg or artifact) if m.needs_artifact else None
             prep = ev.prepare(loaded.model, m, sink, recent, art)
             base = dict(model_fingerprint=loaded.fingerprint, model_slug=loaded.slug, method=m.label,
@@ -172,7 +173,7 @@ def eval_cmd(
                                          config=dict(cfg, seq_len=n, seq_lengths=lengths, samples=samples),
                                          bits_per_element=ev.element_bits(prep, loaded.model, n)))
                 progress.advance(bar)
-    st.record_evals(rows)
+            st.record_evals(rows[done:])  # per method: an interrupted run keeps every finished method
     _render(rows, json_out, csv)
 
 
