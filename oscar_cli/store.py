@@ -316,16 +316,20 @@ class Store:
             )
         return int(aid)
 
-    def list_artifacts(self, model_slug: str | None = None) -> list[dict]:
-        q = "SELECT artifact_id, created, model_slug, version, path, run_id, method, content_hash FROM artifacts"
+    def _select(self, table: str, cols: list[str], model_slug: str | None) -> list[dict]:
+        """Rows of ``table`` (optionally of one model) as dicts, in insertion order (first column is the id)."""
+        q = f"SELECT {', '.join(cols)} FROM {table}"
         args = []
         if model_slug:
             q += " WHERE model_slug = ?"
             args.append(model_slug)
         with self._connect(read_only=True) as con:
-            rows = con.execute(q + " ORDER BY artifact_id", args).fetchall()
-        cols = ["artifact_id", "created", "model_slug", "version", "path", "run_id", "method", "content_hash"]
+            rows = con.execute(q + f" ORDER BY {cols[0]}", args).fetchall()
         return [dict(zip(cols, r, strict=True)) for r in rows]
+
+    def list_artifacts(self, model_slug: str | None = None) -> list[dict]:
+        cols = ["artifact_id", "created", "model_slug", "version", "path", "run_id", "method", "content_hash"]
+        return self._select("artifacts", cols, model_slug)
 
     def resolve_artifact(self, ref: str, model_slug: str | None = None) -> Path:
         """``latest``, ``v3``, ``<model>/v3``, a numeric artifact id, or a folder path -> artifact folder."""
@@ -360,13 +364,6 @@ class Store:
                 )
 
     def list_evals(self, model_slug: str | None = None) -> list[dict]:
-        q = "SELECT eval_id, created, model_slug, method, artifact, task, metric, value, bits_per_element FROM evals"
-        args = []
-        if model_slug:
-            q += " WHERE model_slug = ?"
-            args.append(model_slug)
-        with self._connect(read_only=True) as con:
-            rows = con.execute(q + " ORDER BY eval_id", args).fetchall()
         cols = ["eval_id", "created", "model_slug", "method", "artifact", "task", "metric", "value",
                 "bits_per_element"]
-        return [dict(zip(cols, r, strict=True)) for r in rows]
+        return self._select("evals", cols, model_slug)
