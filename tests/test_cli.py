@@ -47,6 +47,10 @@ def test_collect_fit_inspect_on_a_tiny_model(tmp_path, tiny_store, tiny_model_di
     assert (tmp_path / "p.png").stat().st_size > 10_000
     run = Store(tiny_store).get_run("latest")
     assert (run.status, run.tokens_done, run.batches_done) == ("complete", 1024, 4)
+    r = invoke("runs", "--store", tiny_store, "--json")
+    listed = json.loads(r.output)
+    assert [x["run_id"] for x in listed["runs"]] == [run.run_id] and listed["runs"][0]["status"] == "complete"
+    assert [x["version"] for x in listed["artifacts"]] == [1]
 
 
 def test_a_killed_run_resumes_to_the_same_statistics(tmp_path, tiny_store, tiny_model_dir, monkeypatch):
