@@ -206,6 +206,18 @@ def prepare_windows(loaded: LoadedModel, cfg: CollectConfig) -> torch.Tensor:
     return data_mod.token_windows(loaded.tokenizer, docs, cfg.seq_len, cfg.num_sequences)
 
 
+def resumable_run(store, loaded: LoadedModel, cfg: CollectConfig, windows: torch.Tensor):
+    """The newest unfinished run with this model, data and batching; raises if there is none."""
+    from . import data as data_mod
+    from .store import StoreError
+
+    run = store.find_resumable(loaded.fingerprint, data_mod.digest(windows), cfg.seq_len, cfg.batch_size)
+    if run is None:
+        raise StoreError("nothing to resume: no unfinished run with this model, data, --seq-len and "
+                         "--batch-size; drop --resume to start a new run")
+    return run
+
+
 def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = False,
               progress: Callable[[int, int], None] | None = None, device: str = "cpu",
               windows: torch.Tensor | None = None) -> int:
@@ -215,7 +227,6 @@ def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = 
     unfinished run with the same model, data and batching continues from its last persisted batch.
     """
     from . import data as data_mod
-    from .store import StoreError
 
     shape = collect_shape(loaded)
     if windows is None:
@@ -224,12 +235,8 @@ def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = 
     n_batches = -(-windows.shape[0] // cfg.batch_size)
     acc = StatsAccumulator(shape, skip=cfg.skip)
     reservoir = Reservoir(cfg.reservoir, cfg.seed)
-    run = None
     if resume:
-        run = store.find_resumable(loaded.fingerprint, digest, cfg.seq_len, cfg.batch_size)
-        if run is None:
-            raise StoreError("nothing to resume: no unfinished run with this model, data, --seq-len and "
-                             "--batch-size; drop --resume to start a new run")
+        run = resumable_run(store, loaded, cfg, windows)
         store.claim_run(run)
         run_id, start = run.run_id, run.batches_done
         if start:

@@ -103,6 +103,8 @@ def test_bad_input_fails_with_one_line_and_leaves_the_store_alone(tmp_path, tiny
                    "bad.jsonl:2 is not valid JSON")
     one_line_error(invoke("collect", "--model", tiny_model_dir, "--store", tiny_store, "--tokens", "10000000"),
                    "lower --tokens")
+    one_line_error(invoke("collect", "--model", tiny_model_dir, "--store", tiny_store, "--resume", *TINY),
+                   "nothing to resume")
     one_line_error(invoke("fit", "--store", tiny_store, "--artifacts", tmp_path / "a", "--layers", "0-7"),
                    "out of range: the model has layers 0-1")
     one_line_error(invoke("fit", "--store", tiny_store, "--artifacts", tmp_path / "a", "--group", "48"),

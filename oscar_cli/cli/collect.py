@@ -32,7 +32,7 @@ def collect(
 
     import torch
 
-    from ..collect import calibrate, prepare_windows
+    from ..collect import calibrate, prepare_windows, resumable_run
     from ..config import CollectConfig, load_recipe
     from ..models import load_model
     from ..store import Store
@@ -52,6 +52,8 @@ def collect(
     loaded = load_model(model, store, dtype=dtype, device=device)
     windows = prepare_windows(loaded, cfg)
     st = Store(store)
+    if resume:
+        resumable_run(st, loaded, cfg, windows)  # fail before any progress output
     with token_progress(f"collect {loaded.slug}") as update:
         run_id = calibrate(loaded, cfg, st, resume=resume, progress=update, device=device, windows=windows)
     run = st.get_run(run_id)
