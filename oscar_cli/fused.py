@@ -73,22 +73,24 @@ def _pack(x: torch.Tensor, r: torch.Tensor, clip: torch.Tensor, group: int) -> Q
     return QuantizedRows(back(codes), back(scale), back(zero), 2, group)
 
 
-def _indices(starts: torch.Tensor, ends: torch.Tensor, base: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenated ranges ``[starts_b, ends_b)`` offset by ``base_b``: (indptr int32 [B+1], indices int32)."""
-    lens = (ends - starts).clamp_min(0)
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
-    indptr[1:] = torch.cumsum(lens, 0)
-    parts = [torch.arange(int(s), int(s) + int(n), device=device) + int(o) for s, n, o in zip(starts, lens, base, strict=True)]
-    idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
-    return indptr, idx.to(torch.int32)
+def _ranges(rows: list[list[tuple[int, int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence slot lists from half-open slot ranges: ``rows[b]`` = ranges of sequence ``b``, in order.
+
+    Returns ``(indptr int32 [B + 1], indices int32 [nnz])`` as the kernels take them."""
+    segs = [torch.cat([torch.arange(a, max(a, z)) for a, z in ranges] or [torch.zeros(0, dtype=torch.int64)])
+            for ranges in rows]
+    indptr = torch.zeros(len(segs) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor([len(x) for x in segs]), 0)
+    return indptr.to(device), torch.cat(segs).to(device=device, dtype=torch.int32)
 
 
 def decode(layer, query: torch.Tensor, scaling: float, qend: int) -> torch.Tensor:
     """One decode step of ``layer`` (an OscarLayer after ``update``): returns ``[B, 1, Hq, d]``."""
     from oscar_kernels import decode_int2
 
-    lq, ts, n = layer.lq, layer.tail_start, layer.n
+    lq, n = layer.lq, layer.n
     dev = query.device
+    ts = layer.tail_start
     lo = max(ts, layer.qstart)
     new = None
     if qend > lo:
@@ -101,45 +103,37 @@ def decode(layer, query: torch.Tensor, scaling: float, qend: int) -> torch.Tenso
     first_real = layer.sink_end - layer.windows.sink
     # INT2 pools: the cache's codes, positions [qstart, qend)
     nq = qend - layer.qstart
-    if layer.codes_k is not None and nq > 0:
+    sink_end = layer.sink_end.tolist()
+    if layer.codes_k is not None and nq > 0:  # slot = b * nq + position - qstart
         kc, ks, kz = _to_slots(layer.codes_k)
         vc, vs, vz = _to_slots(layer.codes_v)
-        starts = (layer.sink_end.clamp_min(layer.qstart) - layer.qstart).cpu()
-        kv_indptr, kv_indices = _indices(starts, torch.full_like(starts, nq), torch.arange(b) * nq, dev)
+        kv_indptr, kv_indices = _ranges(
+            [[(i * nq + max(e, layer.qstart) - layer.qstart, (i + 1) * nq)] for i, e in enumerate(sink_end)], dev)
     else:
         d4, g = query.shape[-1] // 4, query.shape[-1] // lq.group
         kc = vc = torch.zeros(1, hkv, d4, dtype=torch.uint8, device=dev)
         ks = kz = vs = vz = torch.ones(1, hkv, g, dtype=torch.float16, device=dev)
-        kv_indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-        kv_indices = torch.zeros(0, dtype=torch.int32, device=dev)
-    # BF16 pools: head rows [0, len_head) then tail rows [ts, n), rotated
+        kv_indptr, kv_indices = _ranges([[] for _ in range(b)], dev)
+    # BF16 pools: head rows [0, lh) then tail rows [ts, n), rotated; slot = b * le + row
     head_k = layer.head_k if layer.head_k is not None else layer.keys[:, :, :0]
     head_v = layer.head_v if layer.head_v is not None else layer.values[:, :, :0]
     lh = head_k.shape[2]
     ex_k = torch.cat([head_k, layer.keys], 2).float()
     ex_v = torch.cat([head_v, layer.values], 2).float()
-    rk = lq.r_k.float().to(dev).expand(hkv, -1, -1)
-    rv = lq.r_v.float().to(dev).expand(hkv, -1, -1)
+    rk, rv = lq.r_k.float().to(dev), lq.r_v.float().to(dev)
     le = ex_k.shape[2]
-    pool_k = torch.einsum("bhnd,hde->bnhe", ex_k, rk).reshape(b * le, hkv, -1).to(torch.bfloat16)
-    pool_v = torch.einsum("bhnd,hde->bnhe", ex_v, rv).reshape(b * le, hkv, -1).to(torch.bfloat16)
-    sink_end = layer.sink_end.cpu().clamp_max(min(lh, layer.tail_start))
-    heads_lo = first_real.cpu()
-    tail_lo = lh + (heads_lo - layer.tail_start).clamp_min(0)  # left padding can reach into the tail
-    tail_hi = torch.full_like(heads_lo, lh + (n - layer.tail_start))
-    base = torch.arange(b) * le
-    ip1, ix1 = _indices(heads_lo, sink_end, base, dev)
-    ip2, ix2 = _indices(tail_lo, tail_hi, base, dev)
-    # interleave per sequence: [its sinks, its tail]
-    parts, indptr = [], [0]
-    for i in range(b):
-        seg = torch.cat([ix1[ip1[i] : ip1[i + 1]], ix2[ip2[i] : ip2[i + 1]]])
-        parts.append(seg)
-        indptr.append(indptr[-1] + seg.numel())
-    bf16_indices = torch.cat(parts).to(torch.int32)
-    bf16_indptr = torch.tensor(indptr, dtype=torch.int32, device=dev)
+    pool_k = torch.einsum("bhnd,hde->bnhe", ex_k, rk.expand(hkv, -1, -1)).reshape(b * le, hkv, -1).to(torch.bfloat16)
+    pool_v = torch.einsum("bhnd,hde->bnhe", ex_v, rv.expand(hkv, -1, -1)).reshape(b * le, hkv, -1).to(torch.bfloat16)
+    ts = layer.tail_start  # after the flush: the tail is [ts, n)
+    head_hi = min(lh, ts)
+    rows = []
+    for i, (f, e) in enumerate(zip(first_real.tolist(), sink_end, strict=True)):
+        base = i * le
+        # its real sinks still in the head, then its tail (left padding can reach into the tail)
+        rows.append([(base + f, base + min(e, head_hi)), (base + lh + max(f - ts, 0), base + lh + n - ts)])
+    bf16_indptr, bf16_indices = _ranges(rows, dev)
     out = decode_int2(
-        query[:, :, 0], lq.r_k.float().to(dev), lq.r_v.float().to(dev), kc, ks, kz, vc, vs, vz, kv_indptr, kv_indices,
+        query[:, :, 0], rk, rv, kc, ks, kz, vc, vs, vz, kv_indptr, kv_indices,
         pool_k, pool_v, bf16_indptr, bf16_indices, max_kv_len=max(nq, 1), group_size=lq.group, sm_scale=scaling,
     )
     return out[:, None].to(query.dtype)
