@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from . import artifact as art
-from .collect import StatsAccumulator
+from .collect import KINDS, StatsAccumulator
 from .config import FitConfig, parse_layers
 from .fit import LayerData, LayerFit, fit_layer, stack_fits
 from .models import AttentionShape
@@ -21,8 +21,9 @@ from .store import Run, Store
 SUMMARY_KEYS = ("identity", "hadamard", "hadamard_clip", "artifact")
 
 
-def layer_data(store: Store, run: Run, layer: int, acc: StatsAccumulator) -> LayerData:
-    """Covariances and reservoir rows of one layer, as fit.py wants them."""
+def layer_data(store: Store, run: Run, layer: int, covs: dict[str, torch.Tensor]) -> LayerData:
+    """Covariances (``covs[kind]``: ``[L, H, d, d]``, all layers) and reservoir rows of one layer, as fit.py wants
+    them."""
     shape = AttentionShape(**run.shape)
     H, d = shape.n_kv_heads, shape.head_dim
     samples = store.load_samples(run.run_id, layer=layer)
@@ -33,8 +34,7 @@ def layer_data(store: Store, run: Run, layer: int, acc: StatsAccumulator) -> Lay
         return torch.from_numpy(samples[(layer, kind)][2]).view(-1, heads, d)
 
     return LayerData(
-        cq=acc.covariance("q")[layer], ck=acc.covariance("k")[layer], cv=acc.covariance("v")[layer],
-        cs=acc.covariance("s")[layer], co=acc.covariance("o")[layer],
+        cq=covs["q"][layer], ck=covs["k"][layer], cv=covs["v"][layer], cs=covs["s"][layer], co=covs["o"][layer],
         k_rows=rows("k", H), v_rows=rows("v", H), q_rows=rows("q", shape.n_heads),
     )
 
@@ -67,9 +67,10 @@ def run_fit(
     shape = AttentionShape(**run.shape)
     acc = StatsAccumulator(shape)
     acc.load_rows(store.load_stats(run.run_id))
+    covs = {kind: acc.covariance(kind) for kind in KINDS}
     fits: list[LayerFit] = []
     for i, layer in enumerate(layers):
-        fits.append(fit_layer(layer_data(store, run, layer, acc), cfg, shape.head_dim))
+        fits.append(fit_layer(layer_data(store, run, layer, covs), cfg, shape.head_dim))
         if progress:
             progress(i + 1, len(layers))
     per_layer = {str(layer): f.metrics for layer, f in zip(layers, fits, strict=True)}
