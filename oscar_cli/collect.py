@@ -22,6 +22,7 @@ resumed or not, and the same tokens are kept in every layer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -192,9 +193,6 @@ def run_batches(
         on_batch(b, ids.numel(), samples, threshold)
 
 
-def collect_shape(loaded: LoadedModel) -> AttentionShape:
-    return attention_shape(loaded.config)
-
 
 def prepare_windows(loaded: LoadedModel, cfg: CollectConfig) -> torch.Tensor:
     """The calibration token windows ``[ceil(tokens / seq_len), seq_len]`` (raises DataError on bad data)."""
@@ -228,10 +226,9 @@ def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = 
     """
     from . import data as data_mod
 
-    shape = collect_shape(loaded)
+    shape = attention_shape(loaded.config)
     if windows is None:
         windows = prepare_windows(loaded, cfg)
-    digest = data_mod.digest(windows)
     n_batches = -(-windows.shape[0] // cfg.batch_size)
     acc = StatsAccumulator(shape, skip=cfg.skip)
     reservoir = Reservoir(cfg.reservoir, cfg.seed)
@@ -246,10 +243,10 @@ def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = 
                 reservoir.priorities = np.sort(kept[1])
     else:
         run_id = store.create_run(
-            model_slug=loaded.slug, model_fingerprint=loaded.fingerprint, data_spec=cfg.data, data_digest=digest,
-            tokens=int(windows.numel()), seq_len=cfg.seq_len, batch_size=cfg.batch_size, num_batches=n_batches,
-            config={k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-            shape={k: getattr(shape, k) for k in shape.__dataclass_fields__},
+            model_slug=loaded.slug, model_fingerprint=loaded.fingerprint, data_spec=cfg.data,
+            data_digest=data_mod.digest(windows), tokens=int(windows.numel()), seq_len=cfg.seq_len,
+            batch_size=cfg.batch_size, num_batches=n_batches, config=dataclasses.asdict(cfg),
+            shape=dataclasses.asdict(shape),
         )
         start = 0
     total = int(windows.numel())
