@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
-from oscar_kernels import decode_int2
+from oscar_kernels import decode_int2, decode_workspace
 from oscar_kernels.decode_int2 import default_num_splits
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -71,8 +71,8 @@ class Int2Case:
         return int2 + bf16 + idx + rot + 2 * self.q.numel() * 2
 
     def fn(self, num_splits=None, **kw):
-        ns = num_splits or default_num_splits(self.bs, HKV, self.n2)
-        ws = (torch.empty(self.bs, HQ, ns + 1, D, device=DEV), torch.empty(self.bs, HQ, ns + 1, device=DEV))
+        ns = num_splits or default_num_splits(self.bs, HKV, self.n2, kw.get("row_kernel", True) is not False)
+        ws = decode_workspace(self.bs, HQ, D, ns, DEV)
         args = (self.q, self.rot_k, self.rot_v, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale,
                 self.v_zero, self.kv_indptr, self.kv_indices, self.k_bf16, self.v_bf16, self.bf16_indptr,
                 self.bf16_indices)
@@ -92,19 +92,19 @@ def sdpa_case(bs, ctx, gen):
     return make, 2 * k.numel() * 2 + 2 * q.numel() * 2
 
 
-def sweep(gen):
-    """Split count and warps around the defaults on a few shapes; prints µs for each."""
+def sweep(gen, shapes):
+    """Tile size, warps and split count of the row-scale kernel around its defaults, and the general kernel."""
     print("\n## sweep (µs, median of CUDA-graph replays)")
-    for bs, ctx in [(1, 8192), (1, 131072), (8, 32768), (16, 131072)]:
+    for bs, ctx in shapes:
         case = Int2Case(bs, ctx, gen)
-        base = default_num_splits(bs, HKV, case.n2)
-        rows = []
-        for nw in (2, 4):
-            for ns in sorted({base // 2, base, 2 * base, 16, 32, 64} - {0}):
-                rows.append((graph_us(case.fn(num_splits=ns, num_warps=nw)), f"splits={ns} warps={nw}"))
-        rows.append((graph_us(case.fn(block_n=64)), "block_n=64"))
-        rows.append((graph_us(case.fn(ptx_unpack=False)), "plain unpack"))
-        rows.append((graph_us(case.fn(num_stages=3)), "stages=3"))
+        base = default_num_splits(bs, HKV, case.n2, row_kernel=True)
+        rows = [(graph_us(case.fn(row_kernel=False)), "general kernel")]
+        for bn in (64, 128):
+            for nw in (1, 2, 4):
+                for ns in sorted({max(base // 2, 1), base, 2 * base}):
+                    rows.append((graph_us(case.fn(num_splits=ns, num_warps=nw, block_n=bn)),
+                                 f"block_n={bn} warps={nw} splits={ns}"))
+        rows.sort()
         print(f"bs{bs} ctx{ctx} (default splits {base}): " + "; ".join(f"{c}: {t:.1f}" for t, c in rows), flush=True)
         del case
         torch.cuda.empty_cache()
@@ -114,14 +114,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="sweep tile/warps/splits on a few shapes first")
+    ap.add_argument("--sweep-only", action="store_true", help="sweep, then stop (no table, nothing appended)")
     ap.add_argument("--label", default="decode_int2 defaults")
     args = ap.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     bw = copy_bandwidth()
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
-    if args.sweep:
-        sweep(gen)
+    if args.sweep or args.sweep_only:
+        sweep(gen, [(1, 8192), (1, 131072), (8, 32768), (16, 131072)])
+        if args.sweep_only:
+            return
     lines = [
         "| bs | context | cuDNN BF16 µs | flash BF16 µs | INT2 µs | INT2 MB read | INT2 GB/s | INT2 / best BF16 | INT2 frac of copy bw |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -6,7 +6,7 @@
 The cache layout (byte offsets, index lists) is documented in :mod:`oscar_kernels.layout`.
 """
 
-from .decode_int2 import decode_int2, decode_int2_ref
+from .decode_int2 import decode_int2, decode_int2_ref, decode_workspace
 from .extend_int2 import extend_int2, extend_int2_ref
 from .layout import Int2Pool, dequantize_ref, pack_ref, unpack_ref
 from .quantize_pack import quantize_pack, quantize_pack_ref
@@ -15,6 +15,7 @@ __all__ = [
     "Int2Pool",
     "decode_int2",
     "decode_int2_ref",
+    "decode_workspace",
     "dequantize_ref",
     "extend_int2",
     "extend_int2_ref",

@@ -6,27 +6,34 @@ Math, for sequence ``b`` and query head ``h`` (KV head ``kh = h // (Hq / Hkv)``)
 (``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, dequantised ``x_hat = code*s + z``) or BF16 slots
 (``bf16_indices[bf16_indptr[b]:bf16_indptr[b+1]]``, sink and recent tokens).
 
-With one scale/zero per row (``g = d``) the dequantisation is folded out of the inner loop:
-``q'.k_hat = s (q'.c) + z sum(q')`` and ``sum_t p_t v_hat_t = sum_t (p_t s_t) c_t + sum_t p_t z_t``
-(the last term is one scalar per head added to every output element), so per element the loop only
-unpacks codes and runs the tensor-core dot.  With ``g < d`` codes are dequantised per element before the dot.
+Kernels, all launched without host synchronisation (the split count is a launch argument), so one call
+can be captured in a CUDA graph:
 
-Packed layout (see :mod:`oscar_kernels.layout`): codes uint8 ``[S, Hkv, d/4]``; byte ``k*B + b``
-(``B = g/4``) of a row holds rotated elements ``k*g + b + j*B`` at bit shift ``2j``; so bit plane ``j`` of
-the ``d/4`` bytes is one quarter of the row, dotted against the matching quarter of ``q'`` (four dots of
-depth ``d/4``); scale/zero fp16 ``[S, Hkv, d/g]``.
+* ``_rotate_q_kernel``, grid ``(B, Hkv)``: ``q' = q @ R_K[kh] * sm_scale * log2(e)`` once per query head
+  (fp32, base-2 softmax units), into the workspace.
+* ``_decode_rows_kernel``, grid ``(B, Hkv, num_splits + 1)``, the fast path for one scale/zero per row
+  (``g = d >= 128``). Split ``i < num_splits`` covers ``ceil(L_b / num_splits)`` INT2 tokens (rounded up
+  to a tile) of sequence ``b``; the last split covers the BF16 segment. All ``Hq / Hkv`` query heads of a KV
+  head share each loaded tile (GQA), and tokens are the M dimension of both tensor-core products, so a
+  4-head group is not padded to 16 rows. The dequantisation is folded out of the inner loop:
+  ``q'.k_hat = s (q'.c) + z sum(q')`` and ``sum_t p_t v_hat_t = sum_t (p_t s_t) c_t + sum_t p_t z_t``.
+  Codes are read as int16 words (two bytes, eight codes); plane ``j`` of the low/high byte of word ``w`` is
+  rotated element ``2w + {0, 1} + j d/4``. On CUDA one LOP3 per two codes turns them into fp16
+  ``1024 + 4**j c`` (the "magic number" trick: the code lands in the mantissa of 1024); the query planes are
+  pre-divided by ``4**j`` and the ``1024`` offsets are removed with two per-head constants, so per element
+  the loop runs 0.56 integer instructions plus its share of the dot.
+* ``_decode_int2_kernel``, same grid, the general path (``g < d`` or ``d = 64``): quarter planes of bytes,
+  codes dequantised per element when ``g < d``.
+* ``_decode_int2_merge_kernel``, grid ``(B, Hkv)``: merges the splits by log-sum-exp and rotates back by
+  ``R_V^T`` in the same program.
 
-Kernels: ``_decode_int2_kernel``, grid ``(B, Hkv, num_splits + 1)``: split ``i < num_splits`` covers
-``ceil(L_b / num_splits)`` INT2 tokens (rounded up to a tile) of sequence ``b``; the last split covers the
-BF16 segment. All ``Hq / Hkv`` query heads of a KV head share each loaded K/V tile (GQA). Each split writes
-its normalised partial output and base-2 log-sum-exp. ``_decode_int2_merge_kernel``, grid ``(B, Hkv)``,
-merges the splits by log-sum-exp and rotates back by ``R_V^T`` in the same program.
-No host synchronisation: the split count is a launch argument, so a launch can be captured in a CUDA graph.
+Each split writes its normalised partial output and base-2 log-sum-exp (an empty split: ``lse = -inf``).
 
-Exact vs approximate: the ``_ref`` dequantises to fp32 and works in fp32. On GPU the kernel rounds ``q'``
-(pre-scaled by ``sm_scale * log2 e``) to fp16 and ``p*s`` to bf16 for the tensor-core dots (fp32
-accumulation), and rotates with tf32 dots: relative output error ~1e-3, tested at <= 1e-2.
-Under ``TRITON_INTERPRET=1`` every dot runs in fp32.
+Exact vs approximate: the ``_ref`` dequantises to fp32 and works in fp32. On GPU the kernels round ``q'``
+to fp16 and ``p*s`` to fp16 (fast path) or bf16 (general path) for the tensor-core dots (fp32
+accumulation), rotate ``q`` with tf32x3 dots and ``o`` with tf32 dots: relative output error ~1e-3, tested
+at <= 1e-2. Under ``TRITON_INTERPRET=1`` every dot runs in fp32 and the fast path skips the fp16 offset,
+so it matches the reference to ~1e-6.
 """
 
 from __future__ import annotations
@@ -51,6 +58,18 @@ SMALL_BATCH_WARPS = 2
 at bs8 and bs16 2 warps were slower (304 vs 276, 2183 vs 1801 µs)."""
 DEFAULT_BLOCK_N = 128
 """INT2 tokens per inner-loop tile (128 beat 32 and 64 at every measured shape except bs1/8k, where 64 won by 3%)."""
+ROWS_BLOCK_N = 128
+"""Row-scale path: INT2 tokens per tile."""
+ROWS_WARPS = 1
+"""Row-scale path: warps per split program (one warp keeps every reduction inside the warp)."""
+ROWS_STAGES = 1
+"""Row-scale path: Triton pipelining depth."""
+ROWS_MIN_BLOCK_H = 2
+"""Row-scale path: smallest head-tile width (the tensor-core dot pads to 8 inside the instruction anyway)."""
+ROWS_MIN_PROGRAMS = 1024
+"""Row-scale path: split programs aimed for at least (one-warp programs: several per SM)."""
+ROWS_SPLIT_TOKENS = 2048
+"""Row-scale path: INT2 tokens per split when ``num_splits`` is derived from ``max_kv_len``."""
 
 
 def _interpreting() -> bool:
@@ -104,16 +123,240 @@ def _planes_bf16(x):
             tl.inline_asm_elementwise(_BF16_PLANE3, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=4))
 
 
+_WORD_PLANES = tl.constexpr(
+    "{ .reg .b32 h; "
+    "lop3.b32 $0, $8, 0x00030003, 0x64006400, 0xea; lop3.b32 $1, $8, 0x000c000c, 0x64006400, 0xea; "
+    "lop3.b32 $2, $8, 0x00300030, 0x64006400, 0xea; lop3.b32 $3, $8, 0x00c000c0, 0x64006400, 0xea; "
+    "shr.b32 h, $8, 8; "
+    "lop3.b32 $4, h, 0x00030003, 0x64006400, 0xea; lop3.b32 $5, h, 0x000c000c, 0x64006400, 0xea; "
+    "lop3.b32 $6, h, 0x00300030, 0x64006400, 0xea; lop3.b32 $7, h, 0x00c000c0, 0x64006400, 0xea; }"
+)
+"""PTX, two int16 code words per 32-bit register: eight fp16 outputs, ``(x & mask_j) | 0x6400`` = ``1024 + 4**j c``
+for the low byte's plane ``j`` (outputs 0-3) and, after one shift, the high byte's (outputs 4-7). Each LOP3 handles
+two codes and the result is exact (integers below 2048 are exact in fp16)."""
+
+
+@triton.jit
+def _word_planes_magic(x):
+    """int16 code words -> eight fp16 tensors ``1024 + 4**j c`` (low byte planes j = 0..3, then high byte)."""
+    return tl.inline_asm_elementwise(_WORD_PLANES, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],
+                                     dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+
+
+@triton.jit
+def _word_planes_plain(x, DT: tl.constexpr):
+    """int16 code words -> eight tensors of plain codes (same order as :func:`_word_planes_magic`)."""
+    x = x.to(tl.int32)
+    return ((x & 3).to(DT), ((x >> 2) & 3).to(DT), ((x >> 4) & 3).to(DT), ((x >> 6) & 3).to(DT),
+            ((x >> 8) & 3).to(DT), ((x >> 10) & 3).to(DT), ((x >> 12) & 3).to(DT), ((x >> 14) & 3).to(DT))
+
+
+@triton.jit
+def _rotate_q_kernel(
+    Q, ROT_K, QN, qk_scale,
+    stride_qb, stride_qh, stride_qd,
+    stride_rh, stride_rr, stride_rc,
+    stride_qnb, stride_qnh,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr,
+    ROT_PER_HEAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQA
+    heads = kvh * GQA + offs_h
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_c = tl.arange(0, BLOCK_C)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=mask_h[:, None], other=0.0).to(tl.float32)
+    r_rows = ROT_K + (kvh * stride_rh if ROT_PER_HEAD else 0) + offs_d[:, None] * stride_rr
+    for c in tl.static_range(0, HEAD_DIM, BLOCK_C):
+        r = tl.load(r_rows + (c + offs_c)[None, :] * stride_rc)
+        qn = tl.dot(q, r, input_precision="tf32x3") * qk_scale
+        tl.store(QN + b * stride_qnb + heads[:, None] * stride_qnh + (c + offs_c)[None, :], qn, mask=mask_h[:, None])
+
+
+@triton.jit
+def _decode_rows_kernel(
+    QN,
+    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
+    K_BF16, V_BF16,
+    KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
+    PART_O, PART_LSE,
+    num_splits,
+    stride_qnb, stride_qnh,
+    stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+    stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
+    MAGIC: tl.constexpr, DOT_T: tl.constexpr, BF_PV_T: tl.constexpr, OFF64: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    W: tl.constexpr = HEAD_DIM // 8
+    D4: tl.constexpr = HEAD_DIM // 4
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQA
+    heads = kvh * GQA + offs_h
+    q_rows = QN + b * stride_qnb + heads[None, :] * stride_qnh  # [1, H]
+    if split < num_splits:
+        # ---------------- INT2 split: tokens x heads tiles ----------------
+        offs_w = tl.arange(0, W)
+        qw = q_rows + 2 * offs_w[:, None]  # [W, H]: element 2w (low byte) / 2w + 1 (high byte) of plane 0
+        mq = mask_h[None, :]
+        if MAGIC:  # codes arrive as 1024 + 4**j c: divide the query planes by 4**j, remove 1024 * sum(q) below
+            OFF: tl.constexpr = 1024.0
+            R1: tl.constexpr = 0.25
+            R2: tl.constexpr = 0.0625
+            R3: tl.constexpr = 0.015625
+        else:
+            OFF: tl.constexpr = 0.0
+            R1: tl.constexpr = 1.0
+            R2: tl.constexpr = 1.0
+            R3: tl.constexpr = 1.0
+        q0 = tl.load(qw + 0 * D4, mask=mq, other=0.0).to(DOT_T)
+        q1 = (tl.load(qw + 1 * D4, mask=mq, other=0.0) * R1).to(DOT_T)
+        q2 = (tl.load(qw + 2 * D4, mask=mq, other=0.0) * R2).to(DOT_T)
+        q3 = (tl.load(qw + 3 * D4, mask=mq, other=0.0) * R3).to(DOT_T)
+        q4 = tl.load(qw + 1 + 0 * D4, mask=mq, other=0.0).to(DOT_T)
+        q5 = (tl.load(qw + 1 + 1 * D4, mask=mq, other=0.0) * R1).to(DOT_T)
+        q6 = (tl.load(qw + 1 + 2 * D4, mask=mq, other=0.0) * R2).to(DOT_T)
+        q7 = (tl.load(qw + 1 + 3 * D4, mask=mq, other=0.0) * R3).to(DOT_T)
+        qtot = tl.sum(tl.load(q_rows + tl.arange(0, HEAD_DIM)[:, None], mask=mq, other=0.0), 0)  # sum(q')
+        qoff = (tl.sum(q0.to(tl.float32), 0) + tl.sum(q1.to(tl.float32), 0) + tl.sum(q2.to(tl.float32), 0)
+                + tl.sum(q3.to(tl.float32), 0) + tl.sum(q4.to(tl.float32), 0) + tl.sum(q5.to(tl.float32), 0)
+                + tl.sum(q6.to(tl.float32), 0) + tl.sum(q7.to(tl.float32), 0)) * OFF
+        s_init = tl.zeros([BLOCK_N, BLOCK_H], tl.float32) - qoff[None, :]
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        psum = tl.zeros([BLOCK_H], tl.float32)  # sum of p*s as rounded for the dot (removes the 1024 offset)
+        pz = tl.zeros([BLOCK_H], tl.float32)  # sum of p*z
+        a0 = tl.zeros([BLOCK_H, W], tl.float32)
+        a1 = tl.zeros([BLOCK_H, W], tl.float32)
+        a2 = tl.zeros([BLOCK_H, W], tl.float32)
+        a3 = tl.zeros([BLOCK_H, W], tl.float32)
+        a4 = tl.zeros([BLOCK_H, W], tl.float32)
+        a5 = tl.zeros([BLOCK_H, W], tl.float32)
+        a6 = tl.zeros([BLOCK_H, W], tl.float32)
+        a7 = tl.zeros([BLOCK_H, W], tl.float32)
+
+        kv_start = tl.load(KV_INDPTR + b)
+        kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
+        split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, kv_len)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0)
+            if OFF64:
+                slot = slot.to(tl.int64)
+            kw = tl.load(K_WORDS + slot[:, None] * stride_kws + kvh * stride_kwh + offs_w[None, :])
+            ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh).to(tl.float32)
+            kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh).to(tl.float32)
+            if MAGIC:
+                k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(kw)
+            else:
+                k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_plain(kw, DOT_T)
+            qc = tl.dot(k0, q0, s_init)
+            qc = tl.dot(k1, q1, qc)
+            qc = tl.dot(k2, q2, qc)
+            qc = tl.dot(k3, q3, qc)
+            qc = tl.dot(k4, q4, qc)
+            qc = tl.dot(k5, q5, qc)
+            qc = tl.dot(k6, q6, qc)
+            qc = tl.dot(k7, q7, qc)  # [N, H] = q'.c
+            s = qc * ks[:, None] + kz[:, None] * qtot[None, :]
+            s = tl.where(mask_n[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            # masked tokens read slot 0 (any bits): their s is -inf above, their p*s and p*z must be 0
+            vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
+            vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
+            ps = (p * vs[:, None]).to(DOT_T)
+            psum = psum * alpha + tl.sum(ps.to(tl.float32), 0)
+            pz = pz * alpha + tl.sum(p * vz[:, None], 0)
+            vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
+            if MAGIC:
+                v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(vw)
+            else:
+                v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_plain(vw, DOT_T)
+            pt = tl.trans(ps)
+            a0 = tl.dot(pt, v0, a0 * alpha[:, None])
+            a1 = tl.dot(pt, v1, a1 * alpha[:, None])
+            a2 = tl.dot(pt, v2, a2 * alpha[:, None])
+            a3 = tl.dot(pt, v3, a3 * alpha[:, None])
+            a4 = tl.dot(pt, v4, a4 * alpha[:, None])
+            a5 = tl.dot(pt, v5, a5 * alpha[:, None])
+            a6 = tl.dot(pt, v6, a6 * alpha[:, None])
+            a7 = tl.dot(pt, v7, a7 * alpha[:, None])
+            m_i = m_new
+        has = l_i > 0.0
+        inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        il = inv_l[:, None]
+        off = (OFF * psum * inv_l)[:, None]
+        zt = (pz * inv_l)[:, None]
+        o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + 2 * offs_w[None, :]
+        mh = mask_h[:, None]
+        tl.store(o_rows + 0 * D4, a0 * il - off + zt, mask=mh)
+        tl.store(o_rows + 1 * D4, (a1 * il - off) * R1 + zt, mask=mh)
+        tl.store(o_rows + 2 * D4, (a2 * il - off) * R2 + zt, mask=mh)
+        tl.store(o_rows + 3 * D4, (a3 * il - off) * R3 + zt, mask=mh)
+        tl.store(o_rows + 1 + 0 * D4, a4 * il - off + zt, mask=mh)
+        tl.store(o_rows + 1 + 1 * D4, (a5 * il - off) * R1 + zt, mask=mh)
+        tl.store(o_rows + 1 + 2 * D4, (a6 * il - off) * R2 + zt, mask=mh)
+        tl.store(o_rows + 1 + 3 * D4, (a7 * il - off) * R3 + zt, mask=mh)
+        tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+    else:
+        # ---------------- BF16 sink/recent split: tokens x heads, natural element order ----------------
+        offs_d = tl.arange(0, HEAD_DIM)
+        qn = tl.load(q_rows + offs_d[:, None], mask=mask_h[None, :], other=0.0).to(DOT_T)  # [d, H]
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        bf_start = tl.load(BF16_INDPTR + b)
+        bf_len = tl.load(BF16_INDPTR + b + 1) - bf_start
+        for start in range(0, bf_len, BLOCK_NB):
+            offs_n = start + tl.arange(0, BLOCK_NB)
+            mask_n = offs_n < bf_len
+            slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kb = tl.load(K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :],
+                         mask=mask_n[:, None], other=0.0).to(DOT_T)
+            s = tl.dot(kb, qn)
+            s = tl.where(mask_n[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            vb = tl.load(V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
+                         mask=mask_n[:, None], other=0.0).to(BF_PV_T)
+            acc = tl.dot(tl.trans(p.to(BF_PV_T)), vb, acc * alpha[:, None])
+            m_i = m_new
+        has = l_i > 0.0
+        inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_d[None, :],
+                 acc * inv_l[:, None], mask=mask_h[:, None])
+        tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+
+
 @triton.jit
 def _decode_int2_kernel(
-    Q, ROT_K,
+    QN,
     K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
     PART_O, PART_LSE,
-    qk_scale, num_splits,
-    stride_qb, stride_qh, stride_qd,
-    stride_rh, stride_rr, stride_rc,
+    num_splits,
+    stride_qnb, stride_qnh,
     stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh,
     stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh,
     stride_kbs, stride_kbh, stride_kbd, stride_vbs, stride_vbh, stride_vbd,
@@ -121,7 +364,7 @@ def _decode_int2_kernel(
     stride_plb, stride_plh,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
-    ROT_PER_HEAD: tl.constexpr, QK_T: tl.constexpr, PV_T: tl.constexpr, PTX_UNPACK: tl.constexpr,
+    QK_T: tl.constexpr, PV_T: tl.constexpr, PTX_UNPACK: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -133,18 +376,15 @@ def _decode_int2_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
-    offs_d = tl.arange(0, HEAD_DIM)
     offs_m = tl.arange(0, D4)
     col0 = (offs_m // BQ) * GROUP_SIZE + offs_m % BQ  # element of bit plane 0 held by byte m
 
-    # ---- q' = q @ R_K, split into the four bit-plane quarters, pre-scaled for exp2 ----
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=mask_h[:, None], other=0.0).to(tl.float32)
-    r_base = ROT_K + (kvh * stride_rh if ROT_PER_HEAD else 0) + offs_d[:, None] * stride_rr
-    q0 = (tl.dot(q, tl.load(r_base + (col0 + 0 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
-    q1 = (tl.dot(q, tl.load(r_base + (col0 + 1 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
-    q2 = (tl.dot(q, tl.load(r_base + (col0 + 2 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
-    q3 = (tl.dot(q, tl.load(r_base + (col0 + 3 * BQ)[None, :] * stride_rc)) * qk_scale).to(QK_T)
+    # ---- q' (rotated, pre-scaled for exp2) split into the four bit-plane quarters ----
+    q_rows = QN + b * stride_qnb + heads[:, None] * stride_qnh
+    q0 = tl.load(q_rows + (col0 + 0 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
+    q1 = tl.load(q_rows + (col0 + 1 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
+    q2 = tl.load(q_rows + (col0 + 2 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
+    q3 = tl.load(q_rows + (col0 + 3 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -309,14 +549,18 @@ def _decode_int2_merge_kernel(
              o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
 
 
-def default_num_splits(batch: int, kv_heads: int, max_kv_len: int,
-                       min_programs: int = DEFAULT_MIN_PROGRAMS,
-                       split_tokens: int = DEFAULT_SPLIT_TOKENS) -> int:
+def default_num_splits(batch: int, kv_heads: int, max_kv_len: int, row_kernel: bool = False,
+                       min_programs: int | None = None, split_tokens: int | None = None) -> int:
     """INT2 splits per sequence: about ``split_tokens`` tokens per split, at least ``min_programs`` programs.
 
-    Depends only on host integers (batch, heads, an upper bound of the INT2 length), so a CUDA graph captured
-    for a ``max_kv_len`` bucket replays for every shorter batch.
+    Defaults per path (``ROWS_*`` for the row-scale kernel, ``DEFAULT_*`` for the general one). Depends only on
+    host integers (batch, heads, an upper bound of the INT2 length), so a CUDA graph captured for a
+    ``max_kv_len`` bucket replays for every shorter batch.
     """
+    if min_programs is None:
+        min_programs = ROWS_MIN_PROGRAMS if row_kernel else DEFAULT_MIN_PROGRAMS
+    if split_tokens is None:
+        split_tokens = ROWS_SPLIT_TOKENS if row_kernel else DEFAULT_SPLIT_TOKENS
     by_len = triton.cdiv(max(max_kv_len, 1), split_tokens)
     by_programs = triton.cdiv(min_programs, batch * kv_heads)
     return max(1, min(max(by_len, by_programs), triton.cdiv(max(max_kv_len, 1), 256)))
@@ -342,6 +586,28 @@ def _check_index(name, indptr, indices, batch):
         raise ValueError(f"{name}_indices must be int32 [nnz]")
 
 
+def decode_workspace(batch: int, q_heads: int, head_dim: int, num_splits: int,
+                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scratch for :func:`decode_int2` (pass it to reuse buffers, e.g. inside a CUDA graph):
+    ``part_o`` fp32 ``[B, Hq, num_splits + 1, d]``, ``part_lse`` fp32 ``[B, Hq, num_splits + 1]``, ``q_rot`` fp32 ``[B, Hq, d]``."""
+    return (torch.empty(batch, q_heads, num_splits + 1, head_dim, dtype=torch.float32, device=device),
+            torch.empty(batch, q_heads, num_splits + 1, dtype=torch.float32, device=device),
+            torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=device))
+
+
+def _words(codes: torch.Tensor) -> torch.Tensor | None:
+    """The uint8 code pool viewed as int16 words (two bytes each), or None when its strides do not allow it."""
+    try:
+        return codes.view(torch.int16)
+    except RuntimeError:
+        return None
+
+
+def _max_offset(*ts: torch.Tensor) -> int:
+    """Largest element offset any of ``ts`` can be indexed at."""
+    return max(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) for t in ts if t.numel())
+
+
 def decode_int2(
     q: torch.Tensor,
     rot_k: torch.Tensor,
@@ -356,11 +622,12 @@ def decode_int2(
     sm_scale: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    block_n: int = DEFAULT_BLOCK_N,
-    num_stages: int = 2,
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    block_n: int | None = None,
+    num_stages: int | None = None,
     num_warps: int | None = None,
     ptx_unpack: bool | None = None,
+    row_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over INT2 + BF16 cached tokens.
 
@@ -376,11 +643,12 @@ def decode_int2(
         sm_scale: softmax scale (default ``1/sqrt(d)``).
         num_splits: INT2 splits per sequence (default :func:`default_num_splits`); fix it for CUDA graphs.
         out: optional ``[B, Hq, d]`` output (default: new tensor of ``q.dtype``).
-        workspace: optional ``(part_o fp32 [B, Hq, num_splits + 1, d], part_lse fp32 [B, Hq, num_splits + 1])``
-            to avoid allocations inside a captured graph.
-        block_n: INT2 tokens per tile (``DEFAULT_BLOCK_N``); num_stages, num_warps: Triton pipelining depth
-            and warps of the split kernel (default warps: ``SMALL_BATCH_WARPS`` for ``B * Hkv <= 16``, else 4).
-        ptx_unpack: unpack codes with the PTX magic-number trick (default: on CUDA, for ``g = d``).
+        workspace: optional :func:`decode_workspace` buffers, to avoid allocations inside a captured graph.
+        block_n, num_stages, num_warps: INT2 tokens per tile, Triton pipelining depth and warps of the split
+            kernel (defaults per path: ``ROWS_*`` for the row-scale path, ``DEFAULT_*``/``SMALL_BATCH_WARPS`` otherwise).
+        ptx_unpack: general path only: unpack codes with the PTX magic-number trick (default: on CUDA, ``g = d``).
+        row_kernel: use the row-scale fast path (default: when ``g = d >= 128`` and the pools can be read as
+            int16 words); ``False`` forces the general path.
 
     Returns:
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
@@ -404,51 +672,87 @@ def decode_int2(
     for name, t in (("k_bf16", k_bf16), ("v_bf16", v_bf16)):
         if t.dtype != torch.bfloat16 or t.dim() != 3 or t.shape[1:] != (hkv, d):
             raise ValueError(f"{name} must be bf16 [S_bf16, {hkv}, {d}], got {t.dtype} {tuple(t.shape)}")
+    if k_bf16.stride(-1) != 1 or v_bf16.stride(-1) != 1:
+        raise ValueError("k_bf16 and v_bf16 must have a contiguous last dim")
     gqa = hq // hkv
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    num_splits = num_splits or default_num_splits(bsz, hkv, max_kv_len)
+    k_words = v_words = None
+    if row_kernel is None or row_kernel:
+        k_words, v_words = _words(k_codes), _words(v_codes)
+        can_rows = g == d and d >= 128 and k_words is not None and v_words is not None
+        if row_kernel and not can_rows:
+            raise ValueError("row_kernel needs group_size == head_dim >= 128 and code pools with even strides")
+        row_kernel = can_rows
+    if num_splits is None:
+        num_splits = default_num_splits(bsz, hkv, max_kv_len, row_kernel)
     parts = num_splits + 1
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape:
         raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
     if workspace is None:
-        part_o = torch.empty(bsz, hq, parts, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(bsz, hq, parts, dtype=torch.float32, device=q.device)
-    else:
-        part_o, part_lse = workspace
-        if part_o.shape != (bsz, hq, parts, d) or part_lse.shape != (bsz, hq, parts) or part_o.stride(-1) != 1 \
-                or part_lse.stride(-1) != 1 or part_o.dtype != torch.float32 or part_lse.dtype != torch.float32:
-            raise ValueError(f"workspace must be fp32 [{bsz}, {hq}, {parts}, {d}] and [{bsz}, {hq}, {parts}]")
+        workspace = decode_workspace(bsz, hq, d, num_splits, q.device)
+    part_o, part_lse, q_rot = workspace
+    if part_o.shape != (bsz, hq, parts, d) or part_lse.shape != (bsz, hq, parts) or q_rot.shape != (bsz, hq, d) \
+            or part_o.stride(-1) != 1 or part_lse.stride(-1) != 1 or q_rot.stride(-1) != 1 \
+            or any(t.dtype != torch.float32 for t in workspace):
+        raise ValueError(f"workspace must be decode_workspace({bsz}, {hq}, {d}, {num_splits})")
     if bsz == 0:
         return out
-    # GQA group padded to the 16-row minimum of a tensor-core dot; BF16 tiles of 32 tokens (segments are short).
-    block_h = max(16, triton.next_power_of_2(gqa))
     fp32_dot = _interpreting() or q.device.type != "cuda"
-    if num_warps is None:
-        num_warps = SMALL_BATCH_WARPS if bsz * hkv <= 16 else 4
-    if ptx_unpack is None:
-        ptx_unpack = not fp32_dot and g == d
-    _decode_int2_kernel[(bsz, hkv, parts)](
-        q, rot_k,
-        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-        k_bf16, v_bf16,
-        kv_indptr, kv_indices, bf16_indptr, bf16_indices,
-        part_o, part_lse,
-        sm_scale * math.log2(math.e), num_splits,
-        *q.stride(), *rot_k.stride(),
-        k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1), k_zero.stride(0), k_zero.stride(1),
-        v_codes.stride(0), v_codes.stride(1), v_scale.stride(0), v_scale.stride(1), v_zero.stride(0), v_zero.stride(1),
-        *k_bf16.stride(), *v_bf16.stride(),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d, GROUP_SIZE=g,
-        BLOCK_N=block_n, BLOCK_NB=32,
-        ROT_PER_HEAD=rot_k.shape[0] > 1,
-        QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
-        PTX_UNPACK=bool(ptx_unpack),
-        num_warps=num_warps, num_stages=num_stages,
+    _rotate_q_kernel[(bsz, hkv)](
+        q, rot_k, q_rot, sm_scale * math.log2(math.e),
+        *q.stride(), *rot_k.stride(), q_rot.stride(0), q_rot.stride(1),
+        GQA=gqa, BLOCK_H=triton.next_power_of_2(gqa), HEAD_DIM=d, BLOCK_C=min(d, 64),
+        ROT_PER_HEAD=rot_k.shape[0] > 1, num_warps=4,
     )
+    if row_kernel:
+        off64 = max(_max_offset(k_words, v_words, k_scale, k_zero, v_scale, v_zero), 0) >= 2**31
+        _decode_rows_kernel[(bsz, hkv, parts)](
+            q_rot,
+            k_words, k_scale, k_zero, v_words, v_scale, v_zero,
+            k_bf16, v_bf16,
+            kv_indptr, kv_indices, bf16_indptr, bf16_indices,
+            part_o, part_lse,
+            num_splits,
+            q_rot.stride(0), q_rot.stride(1),
+            k_words.stride(0), k_words.stride(1), k_scale.stride(0), k_scale.stride(1), k_zero.stride(0), k_zero.stride(1),
+            v_words.stride(0), v_words.stride(1), v_scale.stride(0), v_scale.stride(1), v_zero.stride(0), v_zero.stride(1),
+            k_bf16.stride(0), k_bf16.stride(1), v_bf16.stride(0), v_bf16.stride(1),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            GQA=gqa, BLOCK_H=max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d,
+            BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=32,
+            MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
+            BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=off64,
+            num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES,
+        )
+    else:
+        # GQA group padded to the 16-row minimum of a tensor-core dot; BF16 tiles of 32 tokens (segments are short).
+        block_h = max(16, triton.next_power_of_2(gqa))
+        if num_warps is None:
+            num_warps = SMALL_BATCH_WARPS if bsz * hkv <= 16 else 4
+        if ptx_unpack is None:
+            ptx_unpack = not fp32_dot and g == d
+        _decode_int2_kernel[(bsz, hkv, parts)](
+            q_rot,
+            k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+            k_bf16, v_bf16,
+            kv_indptr, kv_indices, bf16_indptr, bf16_indices,
+            part_o, part_lse,
+            num_splits,
+            q_rot.stride(0), q_rot.stride(1),
+            k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1), k_zero.stride(0), k_zero.stride(1),
+            v_codes.stride(0), v_codes.stride(1), v_scale.stride(0), v_scale.stride(1), v_zero.stride(0), v_zero.stride(1),
+            *k_bf16.stride(), *v_bf16.stride(),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d, GROUP_SIZE=g,
+            BLOCK_N=block_n or DEFAULT_BLOCK_N, BLOCK_NB=32,
+            QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
+            PTX_UNPACK=bool(ptx_unpack),
+            num_warps=num_warps, num_stages=num_stages or 2,
+        )
     _decode_int2_merge_kernel[(bsz, hkv)](
         part_o, part_lse, rot_v, out,
         parts,
@@ -456,7 +760,7 @@ def decode_int2(
         part_lse.stride(0), part_lse.stride(1),
         *rot_v.stride(),
         *out.stride(),
-        GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d,
+        GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)), HEAD_DIM=d,
         BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=rot_v.shape[0] > 1,
         num_warps=4,
     )

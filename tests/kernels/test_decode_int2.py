@@ -1,11 +1,12 @@
 """decode_int2 against its fp32 reference: GQA ratios, head dims, group sizes, ragged lengths, scattered slots."""
 
+import importlib
 import math
 
 import pytest
 import torch
 from int2_cache import DEVICE, ON_GPU, make_cache, rel_err
-from oscar_kernels import decode_int2, decode_int2_ref
+from oscar_kernels import decode_int2, decode_int2_ref, decode_workspace
 
 # interpreter: short ragged sequences (incl. an empty INT2 part and an empty BF16 part); GPU: long ones
 INT2_LENS = [3000, 1, 777, 4093] if ON_GPU else [37, 0, 130, 1]
@@ -14,6 +15,7 @@ HKV = 8 if ON_GPU else 2
 # bf16 q with fp16/bf16 tensor-core dots vs fp32 dots in the interpreter
 TOL = dict(atol=5e-2, rtol=5e-2) if ON_GPU else dict(atol=1e-4, rtol=1e-4)
 MAX_REL = 1e-2 if ON_GPU else 1e-5
+decode_module = importlib.import_module("oscar_kernels.decode_int2")  # the module, not the function
 
 
 def _run(gqa, d, g, gen, num_splits=None, out=None, q_dtype=torch.bfloat16, shared_rot=False, sm_scale=None):
@@ -77,8 +79,7 @@ def test_decode_cuda_graph_replay():
     cache = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen)
     q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.bfloat16)
     out = torch.empty_like(q)
-    ws = (torch.empty(q.shape[0], q.shape[1], splits + 1, d, device=DEVICE),
-          torch.empty(q.shape[0], q.shape[1], splits + 1, device=DEVICE))
+    ws = decode_workspace(q.shape[0], q.shape[1], d, splits, DEVICE)
     decode_int2(q, *cache.args(), max_kv_len=max(INT2_LENS), num_splits=splits, out=out, workspace=ws)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -96,15 +97,28 @@ def test_decode_cuda_graph_replay():
     assert rel_err(out, ref) <= MAX_REL
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the PTX unpack runs on CUDA only")
-@pytest.mark.parametrize("ptx_unpack", [False, True])
-def test_decode_unpack_paths(ptx_unpack):
+@pytest.mark.parametrize("path", ["rows", "general", "general-ptx", "rows-int64"])
+def test_decode_paths_agree(path, monkeypatch):
+    """g = d = 128: the row-scale fast path (also with 64-bit slot offsets) and the general path (plain or PTX unpack)."""
+    if path == "general-ptx" and not ON_GPU:
+        pytest.skip("the PTX unpack runs on CUDA only")
+    if path == "rows-int64":  # pools past 2**31 elements switch to 64-bit offsets; pretend this one is that big
+        monkeypatch.setattr(decode_module, "_max_offset", lambda *ts: 2**31)
     gen = torch.Generator().manual_seed(29)
     d, gqa = 128, 4
     cache = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen)
     q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.bfloat16)
     out = torch.full(q.shape, float("nan"), device=DEVICE)
-    decode_int2(q, *cache.args(), max_kv_len=max(INT2_LENS), out=out, ptx_unpack=ptx_unpack)
+    decode_int2(q, *cache.args(), max_kv_len=max(INT2_LENS), out=out, row_kernel=path.startswith("rows"),
+                ptx_unpack=path == "general-ptx")
     ref = decode_int2_ref(q, *cache.args())
     torch.testing.assert_close(out, ref, **TOL)
     assert rel_err(out, ref) <= MAX_REL
+
+
+def test_decode_row_kernel_needs_row_scales():
+    gen = torch.Generator().manual_seed(31)
+    cache = make_cache([4], [2], 2, 128, 32, gen)
+    q = torch.randn(1, 4, 128, generator=gen).to(DEVICE)
+    with pytest.raises(ValueError, match="row_kernel"):
+        decode_int2(q, *cache.args(), max_kv_len=4, group_size=32, row_kernel=True)
