@@ -92,18 +92,24 @@ def sdpa_case(bs, ctx, gen):
     return make, 2 * k.numel() * 2 + 2 * q.numel() * 2
 
 
+SWEEP = [  # (block_n, warps, stages, register cap) of the row-scale kernel
+    (bn, w, st, reg) for bn in (64, 128) for w, st, reg in
+    ((1, 1, None), (1, 2, None), (1, 3, None), (1, 1, 168), (1, 3, 168), (2, 1, None), (2, 2, None))
+]
+
+
 def sweep(gen, shapes):
-    """Tile size, warps and split count of the row-scale kernel around its defaults, and the general kernel."""
+    """Tile size, warps, pipelining, register cap and split count of the row-scale kernel, and the general kernel."""
     print("\n## sweep (µs, median of CUDA-graph replays)")
     for bs, ctx in shapes:
         case = Int2Case(bs, ctx, gen)
         base = default_num_splits(bs, HKV, case.n2, row_kernel=True)
         rows = [(graph_us(case.fn(row_kernel=False)), "general kernel")]
-        for bn in (64, 128):
-            for nw in (1, 2, 4):
-                for ns in sorted({max(base // 2, 1), base, 2 * base}):
-                    rows.append((graph_us(case.fn(num_splits=ns, num_warps=nw, block_n=bn)),
-                                 f"block_n={bn} warps={nw} splits={ns}"))
+        for bn, nw, st, reg in SWEEP:
+            for ns in sorted({max(base // 2, 1), base}):
+                rows.append((graph_us(case.fn(num_splits=ns, num_warps=nw, block_n=bn, num_stages=st,
+                                              max_registers=reg)),
+                             f"block_n={bn} warps={nw} stages={st} maxnreg={reg} splits={ns}"))
         rows.sort()
         print(f"bs{bs} ctx{ctx} (default splits {base}): " + "; ".join(f"{c}: {t:.1f}" for t, c in rows), flush=True)
         del case

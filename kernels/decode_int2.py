@@ -236,14 +236,14 @@ def _decode_rows_kernel(
         l_i = tl.zeros([BLOCK_H], tl.float32)
         psum = tl.zeros([BLOCK_H], tl.float32)  # sum of p*s as rounded for the dot (removes the 1024 offset)
         pz = tl.zeros([BLOCK_H], tl.float32)  # sum of p*z
-        a0 = tl.zeros([BLOCK_H, W], tl.float32)
-        a1 = tl.zeros([BLOCK_H, W], tl.float32)
-        a2 = tl.zeros([BLOCK_H, W], tl.float32)
-        a3 = tl.zeros([BLOCK_H, W], tl.float32)
-        a4 = tl.zeros([BLOCK_H, W], tl.float32)
-        a5 = tl.zeros([BLOCK_H, W], tl.float32)
-        a6 = tl.zeros([BLOCK_H, W], tl.float32)
-        a7 = tl.zeros([BLOCK_H, W], tl.float32)
+        a0 = tl.zeros([W, BLOCK_H], tl.float32)  # o'^T planes: code-word rows x heads
+        a1 = tl.zeros([W, BLOCK_H], tl.float32)
+        a2 = tl.zeros([W, BLOCK_H], tl.float32)
+        a3 = tl.zeros([W, BLOCK_H], tl.float32)
+        a4 = tl.zeros([W, BLOCK_H], tl.float32)
+        a5 = tl.zeros([W, BLOCK_H], tl.float32)
+        a6 = tl.zeros([W, BLOCK_H], tl.float32)
+        a7 = tl.zeros([W, BLOCK_H], tl.float32)
 
         kv_start = tl.load(KV_INDPTR + b)
         kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
@@ -288,24 +288,23 @@ def _decode_rows_kernel(
                 v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(vw)
             else:
                 v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_plain(vw, DOT_T)
-            pt = tl.trans(ps)
-            a0 = tl.dot(pt, v0, a0 * alpha[:, None])
-            a1 = tl.dot(pt, v1, a1 * alpha[:, None])
-            a2 = tl.dot(pt, v2, a2 * alpha[:, None])
-            a3 = tl.dot(pt, v3, a3 * alpha[:, None])
-            a4 = tl.dot(pt, v4, a4 * alpha[:, None])
-            a5 = tl.dot(pt, v5, a5 * alpha[:, None])
-            a6 = tl.dot(pt, v6, a6 * alpha[:, None])
-            a7 = tl.dot(pt, v7, a7 * alpha[:, None])
+            a0 = tl.dot(tl.trans(v0), ps, a0 * alpha[None, :])
+            a1 = tl.dot(tl.trans(v1), ps, a1 * alpha[None, :])
+            a2 = tl.dot(tl.trans(v2), ps, a2 * alpha[None, :])
+            a3 = tl.dot(tl.trans(v3), ps, a3 * alpha[None, :])
+            a4 = tl.dot(tl.trans(v4), ps, a4 * alpha[None, :])
+            a5 = tl.dot(tl.trans(v5), ps, a5 * alpha[None, :])
+            a6 = tl.dot(tl.trans(v6), ps, a6 * alpha[None, :])
+            a7 = tl.dot(tl.trans(v7), ps, a7 * alpha[None, :])
             m_i = m_new
         has = l_i > 0.0
         inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        il = inv_l[:, None]
-        off = (OFF * psum * inv_l)[:, None]
-        zt = (pz * inv_l)[:, None]
-        o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + 2 * offs_w[None, :]
-        mh = mask_h[:, None]
+        il = inv_l[None, :]
+        off = (OFF * psum * inv_l)[None, :]
+        zt = (pz * inv_l)[None, :]
+        o_rows = PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + 2 * offs_w[:, None]
+        mh = mask_h[None, :]
         tl.store(o_rows + 0 * D4, a0 * il - off + zt, mask=mh)
         tl.store(o_rows + 1 * D4, (a1 * il - off) * R1 + zt, mask=mh)
         tl.store(o_rows + 2 * D4, (a2 * il - off) * R2 + zt, mask=mh)
@@ -321,7 +320,7 @@ def _decode_rows_kernel(
         qn = tl.load(q_rows + offs_d[:, None], mask=mask_h[None, :], other=0.0).to(DOT_T)  # [d, H]
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)  # o'^T
         bf_start = tl.load(BF16_INDPTR + b)
         bf_len = tl.load(BF16_INDPTR + b + 1) - bf_start
         for start in range(0, bf_len, BLOCK_NB):
@@ -338,13 +337,13 @@ def _decode_rows_kernel(
             l_i = l_i * alpha + tl.sum(p, 0)
             vb = tl.load(V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
                          mask=mask_n[:, None], other=0.0).to(BF_PV_T)
-            acc = tl.dot(tl.trans(p.to(BF_PV_T)), vb, acc * alpha[:, None])
+            acc = tl.dot(tl.trans(vb), p.to(BF_PV_T), acc * alpha[None, :])
             m_i = m_new
         has = l_i > 0.0
         inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_d[None, :],
-                 acc * inv_l[:, None], mask=mask_h[:, None])
+        tl.store(PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + offs_d[:, None],
+                 acc * inv_l[None, :], mask=mask_h[None, :])
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
 
 
@@ -628,6 +627,7 @@ def decode_int2(
     num_warps: int | None = None,
     ptx_unpack: bool | None = None,
     row_kernel: bool | None = None,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over INT2 + BF16 cached tokens.
 
@@ -649,6 +649,7 @@ def decode_int2(
         ptx_unpack: general path only: unpack codes with the PTX magic-number trick (default: on CUDA, ``g = d``).
         row_kernel: use the row-scale fast path (default: when ``g = d >= 128`` and the pools can be read as
             int16 words); ``False`` forces the general path.
+        max_registers: register cap per thread of the row-scale split kernel (Triton's ``maxnreg``; default none).
 
     Returns:
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
@@ -726,6 +727,7 @@ def decode_int2(
             MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
             BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=off64,
             num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES,
+            **({"maxnreg": max_registers} if max_registers else {}),
         )
     else:
         # GQA group padded to the 16-row minimum of a tensor-core dot; BF16 tiles of 32 tokens (segments are short).
