@@ -59,17 +59,24 @@ at bs8 and bs16 2 warps were slower (304 vs 276, 2183 vs 1801 µs)."""
 DEFAULT_BLOCK_N = 128
 """INT2 tokens per inner-loop tile (128 beat 32 and 64 at every measured shape except bs1/8k, where 64 won by 3%)."""
 ROWS_BLOCK_N = 128
-"""Row-scale path: INT2 tokens per tile."""
+"""Row-scale path: INT2 tokens per tile. Measured on an H200 (Qwen3-8B shapes, one warp): 128 beat 64 at every
+swept shape (bs16/128k 682 vs 780 µs, bs1/128k 108 vs 133, bs8/32k 109 vs 138)."""
 ROWS_WARPS = 1
-"""Row-scale path: warps per split program (one warp keeps every reduction inside the warp)."""
+"""Row-scale path: warps per split program; one warp keeps every reduction inside the warp (bs16/128k: 682 µs
+with one warp, 808 with two, 2091 with four)."""
 ROWS_STAGES = 1
-"""Row-scale path: Triton pipelining depth."""
+"""Row-scale path: Triton pipelining depth (cp.async stages 2 and 3 were 10-20% slower at every swept shape)."""
 ROWS_MIN_BLOCK_H = 2
 """Row-scale path: smallest head-tile width (the tensor-core dot pads to 8 inside the instruction anyway)."""
-ROWS_MIN_PROGRAMS = 1024
-"""Row-scale path: split programs aimed for at least (one-warp programs: several per SM)."""
+ROWS_MIN_PROGRAMS = 128
+"""Row-scale path: split programs aimed for at least when ``num_splits`` is not given."""
 ROWS_SPLIT_TOKENS = 2048
-"""Row-scale path: INT2 tokens per split when ``num_splits`` is derived from ``max_kv_len``."""
+"""Row-scale path: INT2 tokens per split. Measured: bs1/8k 25.2 µs at 16 splits vs 30.2 at 32; bs1/128k 108 at
+64 vs 133 at 128; bs8/32k 109 at 16 vs 159 at 8; bs16/128k 682 at 32 vs 710 at 64 (with the register cap 646 vs 666)."""
+ROWS_CAPPED_PROGRAMS = 2048
+"""Row-scale path: from this many split programs on, cap registers at ``ROWS_MAX_REGISTERS`` (more resident warps).
+bs16/128k (8192 programs): 666 µs capped vs 710; bs1/128k (512): 117 capped vs 108; bs8/32k (1024): 111 vs 109."""
+ROWS_MAX_REGISTERS = 168
 
 
 def _interpreting() -> bool:
@@ -649,7 +656,8 @@ def decode_int2(
         ptx_unpack: general path only: unpack codes with the PTX magic-number trick (default: on CUDA, ``g = d``).
         row_kernel: use the row-scale fast path (default: when ``g = d >= 128`` and the pools can be read as
             int16 words); ``False`` forces the general path.
-        max_registers: register cap per thread of the row-scale split kernel (Triton's ``maxnreg``; default none).
+        max_registers: register cap per thread of the row-scale split kernel (Triton's ``maxnreg``; default
+            ``ROWS_MAX_REGISTERS`` from ``ROWS_CAPPED_PROGRAMS`` split programs on, else none; 0 for none).
 
     Returns:
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
@@ -708,6 +716,8 @@ def decode_int2(
         ROT_PER_HEAD=rot_k.shape[0] > 1, num_warps=4,
     )
     if row_kernel:
+        if max_registers is None and bsz * hkv * num_splits >= ROWS_CAPPED_PROGRAMS:
+            max_registers = ROWS_MAX_REGISTERS
         off64 = max(_max_offset(k_words, v_words, k_scale, k_zero, v_scale, v_zero), 0) >= 2**31
         _decode_rows_kernel[(bsz, hkv, parts)](
             q_rot,
