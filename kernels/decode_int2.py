@@ -20,8 +20,9 @@ can be captured in a CUDA graph:
   Codes are read as int16 words (two bytes, eight codes); plane ``j`` of the low/high byte of word ``w`` is
   rotated element ``2w + {0, 1} + j d/4``. On CUDA one LOP3 per two codes turns them into fp16
   ``1024 + 4**j c`` (the "magic number" trick: the code lands in the mantissa of 1024); the query planes are
-  pre-divided by ``4**j`` and the ``1024`` offsets are removed with two per-head constants, so per element
-  the loop runs 0.56 integer instructions plus its share of the dot.
+  pre-divided by ``4**j``; the ``1024`` offsets leave the key side through one per-head constant and the
+  value side through each tile's ``sum(p*s)``, so per element the loop runs 0.56 integer instructions plus its
+  share of the dot.
 * ``_decode_int2_kernel``, same grid, the general path (``g < d`` or ``d = 64``): quarter planes of bytes,
   codes dequantised per element when ``g < d``.
 * ``_decode_int2_merge_kernel``, grid ``(B, Hkv)``: merges the splits by log-sum-exp and rotates back by
@@ -241,7 +242,6 @@ def _decode_rows_kernel(
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        psum = tl.zeros([BLOCK_H], tl.float32)  # sum of p*s as rounded for the dot (removes the 1024 offset)
         pz = tl.zeros([BLOCK_H], tl.float32)  # sum of p*z
         a0 = tl.zeros([W, BLOCK_H], tl.float32)  # o'^T planes: code-word rows x heads
         a1 = tl.zeros([W, BLOCK_H], tl.float32)
@@ -288,38 +288,41 @@ def _decode_rows_kernel(
             vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
             vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
             ps = (p * vs[:, None]).to(DOT_T)
-            psum = psum * alpha + tl.sum(ps.to(tl.float32), 0)
             pz = pz * alpha + tl.sum(p * vz[:, None], 0)
             vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
             if MAGIC:
                 v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(vw)
             else:
                 v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_plain(vw, DOT_T)
-            a0 = tl.dot(tl.trans(v0), ps, a0 * alpha[None, :])
-            a1 = tl.dot(tl.trans(v1), ps, a1 * alpha[None, :])
-            a2 = tl.dot(tl.trans(v2), ps, a2 * alpha[None, :])
-            a3 = tl.dot(tl.trans(v3), ps, a3 * alpha[None, :])
-            a4 = tl.dot(tl.trans(v4), ps, a4 * alpha[None, :])
-            a5 = tl.dot(tl.trans(v5), ps, a5 * alpha[None, :])
-            a6 = tl.dot(tl.trans(v6), ps, a6 * alpha[None, :])
-            a7 = tl.dot(tl.trans(v7), ps, a7 * alpha[None, :])
+            # the 1024 offsets leave each tile's product before it is carried: the tensor cores' fp32 accumulation
+            # truncates, and carried over a long split next to the offsets its bias grew with the split length
+            # (5e-2 relative error over 4k tokens on an H200; written as dot(...) - off, Triton cannot fold the
+            # carry back into the dot's accumulator)
+            off_t = (OFF * tl.sum(ps.to(tl.float32), 0))[None, :]
+            a0 = a0 * alpha[None, :] + (tl.dot(tl.trans(v0), ps) - off_t)
+            a1 = a1 * alpha[None, :] + (tl.dot(tl.trans(v1), ps) - off_t)
+            a2 = a2 * alpha[None, :] + (tl.dot(tl.trans(v2), ps) - off_t)
+            a3 = a3 * alpha[None, :] + (tl.dot(tl.trans(v3), ps) - off_t)
+            a4 = a4 * alpha[None, :] + (tl.dot(tl.trans(v4), ps) - off_t)
+            a5 = a5 * alpha[None, :] + (tl.dot(tl.trans(v5), ps) - off_t)
+            a6 = a6 * alpha[None, :] + (tl.dot(tl.trans(v6), ps) - off_t)
+            a7 = a7 * alpha[None, :] + (tl.dot(tl.trans(v7), ps) - off_t)
             m_i = m_new
         has = l_i > 0.0
         inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         il = inv_l[None, :]
-        off = (OFF * psum * inv_l)[None, :]
         zt = (pz * inv_l)[None, :]
         o_rows = PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + 2 * offs_w[:, None]
         mh = mask_h[None, :]
-        tl.store(o_rows + 0 * D4, a0 * il - off + zt, mask=mh)
-        tl.store(o_rows + 1 * D4, (a1 * il - off) * R1 + zt, mask=mh)
-        tl.store(o_rows + 2 * D4, (a2 * il - off) * R2 + zt, mask=mh)
-        tl.store(o_rows + 3 * D4, (a3 * il - off) * R3 + zt, mask=mh)
-        tl.store(o_rows + 1 + 0 * D4, a4 * il - off + zt, mask=mh)
-        tl.store(o_rows + 1 + 1 * D4, (a5 * il - off) * R1 + zt, mask=mh)
-        tl.store(o_rows + 1 + 2 * D4, (a6 * il - off) * R2 + zt, mask=mh)
-        tl.store(o_rows + 1 + 3 * D4, (a7 * il - off) * R3 + zt, mask=mh)
+        tl.store(o_rows + 0 * D4, a0 * il + zt, mask=mh)
+        tl.store(o_rows + 1 * D4, a1 * (il * R1) + zt, mask=mh)
+        tl.store(o_rows + 2 * D4, a2 * (il * R2) + zt, mask=mh)
+        tl.store(o_rows + 3 * D4, a3 * (il * R3) + zt, mask=mh)
+        tl.store(o_rows + 1 + 0 * D4, a4 * il + zt, mask=mh)
+        tl.store(o_rows + 1 + 1 * D4, a5 * (il * R1) + zt, mask=mh)
+        tl.store(o_rows + 1 + 2 * D4, a6 * (il * R2) + zt, mask=mh)
+        tl.store(o_rows + 1 + 3 * D4, a7 * (il * R3) + zt, mask=mh)
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
     else:
         # ---------------- BF16 sink/recent split: tokens x heads, natural element order ----------------

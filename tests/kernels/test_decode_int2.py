@@ -97,9 +97,10 @@ def test_decode_cuda_graph_replay():
     assert rel_err(out, ref) <= MAX_REL
 
 
-@pytest.mark.parametrize("path", ["rows", "general", "general-ptx", "rows-int64"])
+@pytest.mark.parametrize("path", ["rows", "rows-one-split", "rows-int64", "general", "general-ptx"])
 def test_decode_paths_agree(path, monkeypatch):
-    """g = d = 128: the row-scale fast path (also with 64-bit slot offsets) and the general path (plain or PTX unpack)."""
+    """g = d = 128: the row-scale fast path (also as one split over each whole sequence, where rounding could
+    build up over thousands of tokens, and with 64-bit slot offsets) and the general path (plain or PTX unpack)."""
     if path == "general-ptx" and not ON_GPU:
         pytest.skip("the PTX unpack runs on CUDA only")
     if path == "rows-int64":  # pools past 2**31 elements switch to 64-bit offsets; pretend this one is that big
@@ -110,7 +111,7 @@ def test_decode_paths_agree(path, monkeypatch):
     q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.bfloat16)
     out = torch.full(q.shape, float("nan"), device=DEVICE)
     decode_int2(q, *cache.args(), max_kv_len=max(INT2_LENS), out=out, row_kernel=path.startswith("rows"),
-                ptx_unpack=path == "general-ptx")
+                ptx_unpack=path == "general-ptx", num_splits=1 if path == "rows-one-split" else None)
     ref = decode_int2_ref(q, *cache.args())
     torch.testing.assert_close(out, ref, **TOL)
     assert rel_err(out, ref) <= MAX_REL
