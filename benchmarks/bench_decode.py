@@ -93,8 +93,8 @@ def sdpa_case(bs, ctx, gen):
 
 
 SWEEP = [  # (block_n, warps, stages, register cap; 0: none) of the row-scale kernel
-    (bn, w, st, reg) for bn in (64, 128) for w, st, reg in
-    ((1, 1, 0), (1, 1, 168), (1, 2, 0), (2, 1, 0))
+    (128, 1, 1, 0), (128, 1, 1, 168), (128, 1, 1, 144), (128, 1, 1, 128), (64, 1, 1, 0), (64, 1, 1, 128),
+    (128, 2, 1, 0),
 ]
 
 
