@@ -41,16 +41,22 @@ def graph_us(fn) -> float:
 
 
 class Int2Case:
-    def __init__(self, bs: int, ctx: int, gen: torch.Generator):
+    def __init__(self, bs: int, ctx: int, gen: torch.Generator, head_major: bool = False):
+        """``head_major``: pools stored [Hkv, S, ...] (passed as [S, Hkv, ...] views), so one head's slots are contiguous."""
         n2 = ctx - BF16_TOKENS
         self.bs, self.ctx, self.n2 = bs, ctx, n2
         slots = bs * n2
-        self.k_codes = torch.randint(0, 256, (slots, HKV, D // 4), dtype=torch.uint8, device=DEV, generator=gen)
-        self.v_codes = torch.randint(0, 256, (slots, HKV, D // 4), dtype=torch.uint8, device=DEV, generator=gen)
-        self.k_scale = (torch.rand(slots, HKV, 1, device=DEV, generator=gen) * 0.1 + 0.01).half()
-        self.v_scale = (torch.rand(slots, HKV, 1, device=DEV, generator=gen) * 0.1 + 0.01).half()
-        self.k_zero = (torch.randn(slots, HKV, 1, device=DEV, generator=gen) * 0.1).half()
-        self.v_zero = (torch.randn(slots, HKV, 1, device=DEV, generator=gen) * 0.1).half()
+
+        def pool(make, last):
+            t = make((HKV, slots, last) if head_major else (slots, HKV, last))
+            return t.transpose(0, 1) if head_major else t
+
+        self.k_codes = pool(lambda sh: torch.randint(0, 256, sh, dtype=torch.uint8, device=DEV, generator=gen), D // 4)
+        self.v_codes = pool(lambda sh: torch.randint(0, 256, sh, dtype=torch.uint8, device=DEV, generator=gen), D // 4)
+        self.k_scale = pool(lambda sh: (torch.rand(sh, device=DEV, generator=gen) * 0.1 + 0.01).half(), 1)
+        self.v_scale = pool(lambda sh: (torch.rand(sh, device=DEV, generator=gen) * 0.1 + 0.01).half(), 1)
+        self.k_zero = pool(lambda sh: (torch.randn(sh, device=DEV, generator=gen) * 0.1).half(), 1)
+        self.v_zero = pool(lambda sh: (torch.randn(sh, device=DEV, generator=gen) * 0.1).half(), 1)
         self.kv_indptr = (torch.arange(bs + 1, device=DEV) * n2).int()
         self.kv_indices = torch.arange(slots, device=DEV, dtype=torch.int32)  # a token pool filled in order
         nb = bs * BF16_TOKENS
@@ -122,11 +128,23 @@ def main() -> None:
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
     ap.add_argument("--sweep", action="store_true", help="sweep tile/warps/splits on a few shapes first")
     ap.add_argument("--sweep-only", action="store_true", help="sweep, then stop (no table, nothing appended)")
+    ap.add_argument("--layouts", action="store_true", help="compare slot-major and head-major pools, then stop")
     ap.add_argument("--label", default="decode_int2 defaults")
     args = ap.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     bw = copy_bandwidth()
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
+    if args.layouts:
+        print("\n## pool layout (µs, defaults): slot-major [S, Hkv, ...] vs head-major [Hkv, S, ...]")
+        for bs, ctx in [(1, 8192), (1, 131072), (8, 32768), (16, 131072), (32, 32768)]:
+            ts = []
+            for hm in (False, True):
+                case = Int2Case(bs, ctx, gen, head_major=hm)
+                ts.append(graph_us(case.fn()))
+                del case
+                torch.cuda.empty_cache()
+            print(f"bs{bs} ctx{ctx}: slot-major {ts[0]:.1f}, head-major {ts[1]:.1f}", flush=True)
+        return
     if args.sweep or args.sweep_only:
         sweep(gen, [(1, 8192), (1, 131072), (8, 32768), (16, 131072)])
         if args.sweep_only:
