@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from oscar_kernels import quantize_pack_ref
+from oscar_kernels import Int2Pool, quantize_pack_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -52,8 +52,12 @@ class Int2Cache:
 
 
 def make_cache(int2_lens: list[int], bf16_lens: list[int], hkv: int, d: int, g: int, gen: torch.Generator,
-               shared_rot: bool = False, clip_k: float = 0.9, clip_v: float = 1.0) -> Int2Cache:
-    """Quantise random K/V (with a few outlier channels) into scattered slots; free slots hold NaN scales/values."""
+               shared_rot: bool = False, clip_k: float = 0.9, clip_v: float = 1.0, head_major: bool = True) -> Int2Cache:
+    """Quantise random K/V (with a few outlier channels) into scattered slots; free slots hold NaN scales/values.
+
+    INT2 pools are head-major (``Int2Pool``'s layout: [S, Hkv, ...] views of [Hkv, S, ...] storage) unless
+    ``head_major=False`` (plain contiguous [S, Hkv, ...]).
+    """
     n_rot = 1 if shared_rot else hkv
     rot_k, rot_v = random_rotation(n_rot, d, gen), random_rotation(n_rot, d, gen)
     nnz, nnz_b = sum(int2_lens), sum(bf16_lens)
@@ -64,9 +68,14 @@ def make_cache(int2_lens: list[int], bf16_lens: list[int], hkv: int, d: int, g: 
     pools = []
     for rot, clip in ((rot_k, clip_k), (rot_v, clip_v)):
         x = (torch.randn(nnz, hkv, d, generator=gen) * outlier).to(DEVICE)
-        codes = torch.randint(0, 256, (slots, hkv, d // 4), generator=gen, dtype=torch.uint8).to(DEVICE)
-        scale = torch.full((slots, hkv, d // g), float("nan"), dtype=torch.float16, device=DEVICE)
-        zero = torch.full_like(scale, float("nan"))
+        pool = Int2Pool.empty(slots, hkv, d, g, device=DEVICE) if head_major else Int2Pool(
+            torch.empty(slots, hkv, d // 4, dtype=torch.uint8, device=DEVICE),
+            torch.empty(slots, hkv, d // g, dtype=torch.float16, device=DEVICE),
+            torch.empty(slots, hkv, d // g, dtype=torch.float16, device=DEVICE), g)
+        codes, scale, zero = pool.codes, pool.scale, pool.zero
+        codes.copy_(torch.randint(0, 256, (slots, hkv, d // 4), generator=gen, dtype=torch.uint8))
+        scale.fill_(float("nan"))
+        zero.fill_(float("nan"))
         quantize_pack_ref(x, rot, clip, codes, scale, zero, kv_indices, g)
         pools += [codes, scale, zero]
     k_bf16 = torch.full((slots_b, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)

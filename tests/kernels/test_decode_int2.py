@@ -97,17 +97,20 @@ def test_decode_cuda_graph_replay():
     assert rel_err(out, ref) <= MAX_REL
 
 
-@pytest.mark.parametrize("path", ["rows", "rows-one-split", "rows-int64", "general", "general-ptx"])
+@pytest.mark.parametrize("path", ["rows", "rows-one-split", "rows-int64", "rows-slot-major", "general",
+                                  "general-ptx", "general-slot-major"])
 def test_decode_paths_agree(path, monkeypatch):
     """g = d = 128: the row-scale fast path (also as one split over each whole sequence, where rounding could
-    build up over thousands of tokens, and with 64-bit slot offsets) and the general path (plain or PTX unpack)."""
+    build up over thousands of tokens, and with 64-bit slot offsets) and the general path (plain or PTX unpack),
+    on head-major pools (Int2Pool's layout) and on plain slot-major ones."""
     if path == "general-ptx" and not ON_GPU:
         pytest.skip("the PTX unpack runs on CUDA only")
     if path == "rows-int64":  # pools past 2**31 elements switch to 64-bit offsets; pretend this one is that big
         monkeypatch.setattr(decode_module, "_max_offset", lambda *ts: 2**31)
     gen = torch.Generator().manual_seed(29)
     d, gqa = 128, 4
-    cache = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen)
+    cache = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen, head_major=not path.endswith("slot-major"))
+    assert (cache.k_codes.stride(0) > cache.k_codes.stride(1)) == path.endswith("slot-major")
     q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.bfloat16)
     out = torch.full(q.shape, float("nan"), device=DEVICE)
     decode_int2(q, *cache.args(), max_kv_len=max(INT2_LENS), out=out, row_kernel=path.startswith("rows"),

@@ -3,12 +3,19 @@
 import pytest
 import torch
 from int2_cache import DEVICE, ON_GPU, random_rotation
-from oscar_kernels import dequantize_ref, pack_ref, quantize_pack, quantize_pack_ref, unpack_ref
+from oscar_kernels import Int2Pool, dequantize_ref, pack_ref, quantize_pack, quantize_pack_ref, unpack_ref
 
 N_TOK = 1031 if ON_GPU else 37  # odd, spans several token blocks
 
 
-def _pools(slots, hkv, d, g, gen):
+def _pools(slots, hkv, d, g, gen, head_major=False):
+    """Random codes and NaN scales/zeros: contiguous [S, Hkv, ...], or Int2Pool's head-major views."""
+    if head_major:
+        pool = Int2Pool.empty(slots, hkv, d, g, device=DEVICE)
+        pool.codes.copy_(torch.randint(0, 256, (slots, hkv, d // 4), generator=gen, dtype=torch.uint8))
+        pool.scale.fill_(float("nan"))
+        pool.zero.fill_(float("nan"))
+        return pool.codes, pool.scale, pool.zero
     codes = torch.randint(0, 256, (slots, hkv, d // 4), generator=gen, dtype=torch.uint8).to(DEVICE)
     scale = torch.full((slots, hkv, d // g), float("nan"), dtype=torch.float16, device=DEVICE)
     return codes, scale, torch.full_like(scale, float("nan"))
@@ -97,7 +104,8 @@ def test_kernel_fused_rotation(d, group, shared_rot):
     x = x_full[:, ::2]  # non-contiguous heads
     rot = random_rotation(1 if shared_rot else hkv, d, gen)
     loc = torch.randperm(slots, generator=gen)[:N_TOK].to(DEVICE, torch.int32)
-    got = _pools(slots, hkv, d, g, gen)
+    got = _pools(slots, hkv, d, g, gen, head_major=True)
+    assert got[0].stride(0) < got[0].stride(1)  # head-major storage
     want = tuple(t.clone() for t in got)
     quantize_pack(x, rot, 0.75, *got, loc, g)
     quantize_pack_ref(x, rot, 0.75, *want, loc, g)
