@@ -41,8 +41,8 @@ def graph_us(fn) -> float:
 
 
 class Int2Case:
-    def __init__(self, bs: int, ctx: int, gen: torch.Generator, head_major: bool = False):
-        """``head_major``: pools stored [Hkv, S, ...] (passed as [S, Hkv, ...] views), so one head's slots are contiguous."""
+    def __init__(self, bs: int, ctx: int, gen: torch.Generator, head_major: bool = True):
+        """``head_major``: pools stored [Hkv, S, ...] behind [S, Hkv, ...] views (``Int2Pool``'s layout); else slot-major."""
         n2 = ctx - BF16_TOKENS
         self.bs, self.ctx, self.n2 = bs, ctx, n2
         slots = bs * n2
