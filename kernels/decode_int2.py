@@ -49,24 +49,25 @@ import triton.language as tl
 from .layout import CODES_PER_BYTE, check_group_size, dequantize_ref
 
 DEFAULT_MIN_PROGRAMS = 128
-"""Split programs aimed for at least (about one per SM of an H200) when ``num_splits`` is not given."""
+"""General path: split programs aimed for at least (about one per SM of an H200) when ``num_splits`` is not given."""
 DEFAULT_SPLIT_TOKENS = 3072
-"""INT2 tokens per split when ``num_splits`` is derived from ``max_kv_len``. Measured on an H200 (Qwen3-8B
+"""General path: INT2 tokens per split when ``num_splits`` is derived from ``max_kv_len``. Measured on an H200 (Qwen3-8B
 shapes, block_n 128): bs1/128k 172 µs at 33 splits vs 185 at 66 and 295 at 16; bs8/32k 245 µs at 18 splits vs
 276 at 9; bs16/128k 1674 µs at 20 splits vs 1801 at 5 and 1796 at 10; bs1/8k 26.5 µs at 16 splits vs 31 at 32."""
 SMALL_BATCH_WARPS = 2
-"""Warps per split program when ``batch * kv_heads <= 16``: bs1/128k ran 144 µs with 2 warps vs 185 with 4;
+"""General path: warps per split program when ``batch * kv_heads <= 16``: bs1/128k ran 144 µs with 2 warps vs 185 with 4;
 at bs8 and bs16 2 warps were slower (304 vs 276, 2183 vs 1801 µs)."""
 DEFAULT_BLOCK_N = 128
-"""INT2 tokens per inner-loop tile (128 beat 32 and 64 at every measured shape except bs1/8k, where 64 won by 3%)."""
+"""General path: INT2 tokens per inner-loop tile (128 beat 32 and 64 at every measured shape except bs1/8k, where 64 won by 3%)."""
 ROWS_BLOCK_N = 128
-"""Row-scale path: INT2 tokens per tile. Measured on an H200 (Qwen3-8B shapes, one warp): 128 beat 64 at every
+"""Row-scale path: INT2 tokens per tile. Measured on an H200 (Qwen3-8B shapes, one warp; this and the constants below
+on slot-major pools, before ``Int2Pool`` went head-major): 128 beat 64 at every
 swept shape (bs16/128k 682 vs 780 µs, bs1/128k 108 vs 133, bs8/32k 109 vs 138)."""
 ROWS_WARPS = 1
 """Row-scale path: warps per split program; one warp keeps every reduction inside the warp (bs16/128k: 682 µs
 with one warp, 808 with two, 2091 with four)."""
 ROWS_STAGES = 1
-"""Row-scale path: Triton pipelining depth (cp.async stages 2 and 3 were 10-20% slower at every swept shape)."""
+"""Row-scale path: Triton pipelining depth (cp.async stages 2 and 3 were 9-44% slower at every swept shape)."""
 ROWS_MIN_BLOCK_H = 2
 """Row-scale path: smallest head-tile width (the tensor-core dot pads to 8 inside the instruction anyway)."""
 ROWS_MIN_PROGRAMS = 128

@@ -126,3 +126,21 @@ def test_decode_row_kernel_needs_row_scales():
     q = torch.randn(1, 4, 128, generator=gen).to(DEVICE)
     with pytest.raises(ValueError, match="row_kernel"):
         decode_int2(q, *cache.args(), max_kv_len=4, group_size=32, row_kernel=True)
+
+
+def test_decode_odd_strided_pools_take_the_general_path():
+    """Code pools that cannot be read as int16 words (odd row stride) fall back to the general path, still exact;
+    asking for the row kernel on them is refused."""
+    gen = torch.Generator().manual_seed(37)
+    d, gqa = 128, 2
+    cache = make_cache([9, 40], [3, 0], 2, d, d, gen)
+    for name in ("k_codes", "v_codes"):
+        c = getattr(cache, name)
+        wide = torch.zeros(c.shape[0], c.shape[1], c.shape[2] + 1, dtype=torch.uint8, device=DEVICE)
+        wide[..., :-1] = c
+        setattr(cache, name, wide[..., :-1])  # row stride d/4 + 1: odd
+    q = torch.randn(2, 2 * gqa, d, generator=gen).to(DEVICE)
+    out = decode_int2(q, *cache.args(), max_kv_len=40)
+    assert rel_err(out, decode_int2_ref(q, *cache.args())) <= MAX_REL
+    with pytest.raises(ValueError, match="row_kernel"):
+        decode_int2(q, *cache.args(), max_kv_len=40, row_kernel=True)
