@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import CODES_PER_BYTE, check_group_size, dequantize_ref
+from .layout import CODES_PER_BYTE, cached_rows_ref, check_group_size
 
 DEFAULT_MIN_PROGRAMS = 128
 """General path: split programs aimed for at least (about one per SM of an H200) when ``num_splits`` is not given."""
@@ -186,6 +186,15 @@ def _rotate_q_kernel(
 
 
 @triton.jit
+def _finish_split(m_i, l_i):
+    """Online-softmax state -> (1 / l, base-2 log-sum-exp); an empty split gives ``(0, -inf)``."""
+    has = l_i > 0.0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    return inv_l, lse
+
+
+@triton.jit
 def _decode_rows_kernel(
     QN,
     K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
@@ -309,9 +318,7 @@ def _decode_rows_kernel(
             a6 = a6 * alpha[None, :] + (tl.dot(tl.trans(v6), ps) - off_t)
             a7 = a7 * alpha[None, :] + (tl.dot(tl.trans(v7), ps) - off_t)
             m_i = m_new
-        has = l_i > 0.0
-        inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        inv_l, lse = _finish_split(m_i, l_i)
         il = inv_l[None, :]
         zt = (pz * inv_l)[None, :]
         o_rows = PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + 2 * offs_w[:, None]
@@ -350,9 +357,7 @@ def _decode_rows_kernel(
                          mask=mask_n[:, None], other=0.0).to(BF_PV_T)
             acc = tl.dot(tl.trans(vb), p.to(BF_PV_T), acc * alpha[None, :])
             m_i = m_new
-        has = l_i > 0.0
-        inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        inv_l, lse = _finish_split(m_i, l_i)
         tl.store(PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + offs_d[:, None],
                  acc * inv_l[None, :], mask=mask_h[None, :])
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
@@ -509,9 +514,7 @@ def _decode_int2_kernel(
             m_i = m_new
 
     # ---- normalised partial output and base-2 LSE (empty split: lse = -inf, o = 0) ----
-    has = l_i > 0.0
-    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    inv_l, lse = _finish_split(m_i, l_i)
     o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
     mh = mask_h[:, None]
     tl.store(o_rows + (col0 + 0 * BQ)[None, :], acc0 * inv_l[:, None], mask=mh)
@@ -587,6 +590,13 @@ def _check_pool(name, codes, scale, zero, hkv, d, g):
 def _check_rot(name, rot, hkv, d):
     if rot.dtype != torch.float32 or rot.dim() != 3 or rot.shape[0] not in (1, hkv) or rot.shape[1:] != (d, d):
         raise ValueError(f"{name} must be fp32 [{hkv} or 1, {d}, {d}], got {rot.dtype} {tuple(rot.shape)}")
+
+
+def _check_bf16(k_bf16, v_bf16, hkv, d):
+    for name, t in (("k_bf16", k_bf16), ("v_bf16", v_bf16)):
+        if t.dtype != torch.bfloat16 or t.dim() != 3 or t.shape[1:] != (hkv, d) or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be bf16 [S_bf16, {hkv}, {d}] with contiguous last dim, "
+                             f"got {t.dtype} {tuple(t.shape)}")
 
 
 def _check_index(name, indptr, indices, batch):
@@ -682,11 +692,7 @@ def decode_int2(
     _check_rot("rot_v", rot_v, hkv, d)
     _check_index("kv", kv_indptr, kv_indices, bsz)
     _check_index("bf16", bf16_indptr, bf16_indices, bsz)
-    for name, t in (("k_bf16", k_bf16), ("v_bf16", v_bf16)):
-        if t.dtype != torch.bfloat16 or t.dim() != 3 or t.shape[1:] != (hkv, d):
-            raise ValueError(f"{name} must be bf16 [S_bf16, {hkv}, {d}], got {t.dtype} {tuple(t.shape)}")
-    if k_bf16.stride(-1) != 1 or v_bf16.stride(-1) != 1:
-        raise ValueError("k_bf16 and v_bf16 must have a contiguous last dim")
+    _check_bf16(k_bf16, v_bf16, hkv, d)
     gqa = hq // hkv
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     k_words = v_words = None
@@ -805,10 +811,8 @@ def decode_int2_ref(
     rv = rot_v.float().expand(hkv, d, d)
     out = torch.empty(bsz, hq, d, dtype=torch.float32, device=q.device)
     for b in range(bsz):
-        sl = kv_indices[kv_indptr[b]:kv_indptr[b + 1]].long()
-        sb = bf16_indices[bf16_indptr[b]:bf16_indptr[b + 1]].long()
-        k = torch.cat([dequantize_ref(k_codes[sl], k_scale[sl], k_zero[sl], g), k_bf16[sb].float()])  # [T, Hkv, d]
-        v = torch.cat([dequantize_ref(v_codes[sl], v_scale[sl], v_zero[sl], g), v_bf16[sb].float()])
+        k = cached_rows_ref(k_codes, k_scale, k_zero, k_bf16, kv_indptr, kv_indices, bf16_indptr, bf16_indices, b, g)
+        v = cached_rows_ref(v_codes, v_scale, v_zero, v_bf16, kv_indptr, kv_indices, bf16_indptr, bf16_indices, b, g)
         for h in range(hq):
             kh = h // gqa
             qr = q[b, h].float() @ rk[kh]

@@ -26,13 +26,12 @@ fp32 ``_ref``. Under ``TRITON_INTERPRET=1`` every dot runs in fp32.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .layout import check_group_size, dequantize_ref
+from .layout import cached_rows_ref, check_group_size
 
 DEFAULT_BLOCK_M = 64
 """New tokens per program."""
@@ -232,16 +231,14 @@ def extend_int2(
     if qo_indptr.dtype != torch.int32 or qo_indptr.dim() != 1:
         raise ValueError("qo_indptr must be int32 [B + 1]")
     bsz = qo_indptr.shape[0] - 1
-    from .decode_int2 import _check_index, _check_pool, _check_rot
+    from .decode_int2 import _check_bf16, _check_index, _check_pool, _check_rot, _interpreting
     _check_pool("k", k_codes, k_scale, k_zero, hkv, d, g)
     _check_pool("v", v_codes, v_scale, v_zero, hkv, d, g)
     _check_rot("rot_k", rot_k, hkv, d)
     _check_rot("rot_v", rot_v, hkv, d)
     _check_index("kv", kv_indptr, kv_indices, bsz)
     _check_index("bf16", bf16_indptr, bf16_indices, bsz)
-    for name, t in (("k_bf16", k_bf16), ("v_bf16", v_bf16)):
-        if t.dtype != torch.bfloat16 or t.dim() != 3 or t.shape[1:] != (hkv, d) or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be bf16 [S_bf16, {hkv}, {d}] with contiguous last dim")
+    _check_bf16(k_bf16, v_bf16, hkv, d)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape:
@@ -254,7 +251,7 @@ def extend_int2(
     kr = k_new.float().contiguous() if new_kv_rotated else _rotate(k_new, rot_k, hkv)
     vr = v_new.float().contiguous() if new_kv_rotated else _rotate(v_new, rot_v, hkv)
     o_rot = torch.empty(n, hq, d, dtype=torch.float32, device=q.device)
-    fp32_dot = os.environ.get("TRITON_INTERPRET", "0") == "1" or q.device.type != "cuda"
+    fp32_dot = _interpreting() or q.device.type != "cuda"
     grid = (bsz, hq, triton.cdiv(max_new_len, block_m))
     _extend_int2_kernel[grid](
         qr, kr, vr, qo_indptr,
@@ -302,15 +299,14 @@ def extend_int2_ref(
         q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
         if q1 == q0:
             continue
-        sl = kv_indices[kv_indptr[b]:kv_indptr[b + 1]].long()
-        sb = bf16_indices[bf16_indptr[b]:bf16_indptr[b + 1]].long()
         kn, vn = k_new[q0:q1].float(), v_new[q0:q1].float()
         if not new_kv_rotated:
             kn = torch.einsum("nhd,hde->nhe", kn, rk)
             vn = torch.einsum("nhd,hde->nhe", vn, rv)
-        k = torch.cat([dequantize_ref(k_codes[sl], k_scale[sl], k_zero[sl], g), k_bf16[sb].float(), kn])
-        v = torch.cat([dequantize_ref(v_codes[sl], v_scale[sl], v_zero[sl], g), v_bf16[sb].float(), vn])
-        n_cached, m = len(sl) + len(sb), q1 - q0
+        kc = cached_rows_ref(k_codes, k_scale, k_zero, k_bf16, kv_indptr, kv_indices, bf16_indptr, bf16_indices, b, g)
+        vc = cached_rows_ref(v_codes, v_scale, v_zero, v_bf16, kv_indptr, kv_indices, bf16_indptr, bf16_indices, b, g)
+        k, v = torch.cat([kc, kn]), torch.cat([vc, vn])
+        n_cached, m = kc.shape[0], q1 - q0
         causal = torch.ones(m, n_cached + m, dtype=torch.bool, device=q.device)
         causal[:, n_cached:] = torch.tril(causal[:, n_cached:])
         for h in range(hq):

@@ -102,3 +102,13 @@ def dequantize_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     """codes uint8 ``[..., d/4]``, scale/zero fp16 ``[..., d/g]`` -> fp32 ``[..., d]``."""
     c = unpack_ref(codes, group_size).float().unflatten(-1, (-1, group_size))
     return (c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).flatten(-2)
+
+
+def cached_rows_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bf16: torch.Tensor,
+                    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, bf16_indptr: torch.Tensor,
+                    bf16_indices: torch.Tensor, b: int, group_size: int) -> torch.Tensor:
+    """Sequence ``b``'s cached K (or V) rows, rotated basis, fp32 ``[T, Hkv, d]``: its INT2 slots dequantised, then its
+    BF16 slots (the order the kernels' references attend in)."""
+    sl = kv_indices[kv_indptr[b]:kv_indptr[b + 1]].long()
+    sb = bf16_indices[bf16_indptr[b]:bf16_indptr[b + 1]].long()
+    return torch.cat([dequantize_ref(codes[sl], scale[sl], zero[sl], group_size), bf16[sb].float()])
