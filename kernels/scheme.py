@@ -1,0 +1,110 @@
+"""The quantisation scheme: the one definition of how rotated K/V rows are stored.
+
+An artifact carries its :class:`QuantScheme` in its manifest (written by ``oscar fit``); the transformers cache, the
+kernels' pool, ``oscar eval`` and ``oscar serve`` read it from there. Every default below is the only place that
+default is written.
+
+* ``bits``: code width (2 or 4; the Triton kernels implement 2).
+* ``group``: rotated elements per scale/zero pair; ``0`` means one group per head row (the head dim), which
+  :meth:`QuantScheme.resolved` turns into the concrete number for a model.
+* ``sink``: the first ``sink`` real tokens of every sequence stay exact (BF16).
+* ``recent``: the query at position ``t`` reads the last ``recent`` positions ``(t - recent, t]`` exactly.
+* ``scale_dtype``: storage type of the per-group scale and zero point (``fp16``).
+* ``levels``: how codes map to values (``uniform``: ``code * scale + zero``, codes ``0 .. 2**bits - 1``).
+
+Pure Python (no torch), so every layer of the project, and the serving engine's processes, can import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SCALE_DTYPES = ("fp16",)
+LEVELS = ("uniform",)
+KERNEL_BITS = 2
+"""Code width the Triton kernels implement."""
+
+
+class SchemeError(ValueError):
+    """A scheme that is invalid, or that cannot run where it was asked to; the message says why and how to fix it."""
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How rotated K/V rows are stored (see the module docstring for each field)."""
+
+    bits: int = 2
+    group: int = 0
+    sink: int = 64
+    recent: int = 256
+    scale_dtype: str = "fp16"
+    levels: str = "uniform"
+
+    def __post_init__(self) -> None:
+        for name in ("bits", "group", "sink", "recent"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise SchemeError(f"scheme {name} must be an integer, got {v!r}")
+        if self.bits not in (2, 4):
+            raise SchemeError(f"bits must be 2 or 4, got {self.bits}")
+        if self.group < 0 or self.sink < 0 or self.recent < 0:
+            raise SchemeError(f"group, sink and recent must be non-negative (got {self.group}, {self.sink}, {self.recent})")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise SchemeError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {self.scale_dtype!r}")
+        if self.levels not in LEVELS:
+            raise SchemeError(f"levels must be one of {', '.join(LEVELS)}, got {self.levels!r}")
+
+    @property
+    def codes_per_byte(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def max_code(self) -> int:
+        return (1 << self.bits) - 1
+
+    def group_for(self, head_dim: int) -> int:
+        """The concrete group size for rows of ``head_dim`` elements (checked)."""
+        g = self.group or head_dim
+        if head_dim % g or g % self.codes_per_byte:
+            raise SchemeError(f"group {g} must divide the head dim {head_dim} and be a multiple of "
+                              f"{self.codes_per_byte} (codes per byte at {self.bits} bits)")
+        return g
+
+    def resolved(self, head_dim: int) -> QuantScheme:
+        """The same scheme with ``group`` made concrete for ``head_dim`` (what an artifact records)."""
+        return dataclasses.replace(self, group=self.group_for(head_dim))
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Storage bits of one quantised element: its code plus its share of the fp16 scale and zero."""
+        return self.bits + 32 / self.group_for(head_dim)
+
+    def kernel_support(self, head_dim: int) -> str | None:
+        """Why the Triton kernels cannot run this scheme at ``head_dim``, or None when they can."""
+        if self.bits != KERNEL_BITS:
+            return f"the kernels implement {KERNEL_BITS}-bit codes, the scheme has {self.bits}"
+        g = self.group_for(head_dim)
+        for name, v in (("head dim", head_dim), ("group", g)):
+            if v < 16 or v & (v - 1):
+                return f"the kernels need a power-of-two {name} >= 16, got {v}"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "scheme") -> QuantScheme:
+        """Strict parse: unknown keys are errors (missing keys take the defaults)."""
+        if not isinstance(d, dict):
+            raise SchemeError(f"{where} must be a mapping of {', '.join(f.name for f in dataclasses.fields(cls))}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise SchemeError(f"unknown key(s) {', '.join(unknown)} in {where}; allowed: {', '.join(sorted(names))}")
+        return cls(**d)
+
+    def describe(self) -> str:
+        """Short name with the scheme in it, e.g. ``int2.g128.s64.r256``."""
+        g = self.group or "row"
+        return f"int{self.bits}.g{g}.s{self.sink}.r{self.recent}"
