@@ -6,17 +6,20 @@ An artifact is a folder ``<root>/<model-slug>/v<N>/`` holding
   rotation shared by all KV heads or ``h = kv_heads`` (``--per-head``); ``clip_k``, ``clip_v`` ``[n, h]`` clip ratios;
   ``eig_k``, ``eig_v`` ``[n, h, d]`` descending eigenvalues of the targets the rotations came from (zeros for
   data-free methods);
-* ``manifest.json``: model fingerprint, run id, stats digest, method, quant config, code version, created, metrics and
-  ``content_hash`` (sha256 of ``rotations.safetensors``);
+* ``manifest.json`` (:class:`Manifest`, schema version 2): model fingerprint, run id, stats and data digests, fit
+  method, the quant scheme (:class:`oscar_kernels.scheme.QuantScheme`), code version (package version + git commit),
+  created, fit-time metrics and ``content_hash`` (sha256 of ``rotations.safetensors``);
 * ``recipe.yaml``: a copy of the recipe that produced it.
 
 Rows are rotated as ``x @ R``. Layers not listed are left in BF16 by the cache. Writes go to a temporary folder that
-is renamed into place, so a crash never leaves half an artifact. Loading checks the content hash and, when a model
-fingerprint is given, that it matches; only safetensors and JSON are read.
+is renamed into place, so a crash never leaves half an artifact. Loading parses and validates the manifest once,
+checks the content hash, the tensor shapes and, when a model fingerprint is given, that it matches; only safetensors and
+JSON are read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,17 +31,97 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .config import QuantConfig
+from . import code_version
+from .config import AttentionShape, QuantScheme, SchemeError
 from .errors import OscarError
 
 TENSOR_FILE = "rotations.safetensors"
 MANIFEST_FILE = "manifest.json"
 RECIPE_FILE = "recipe.yaml"
+MANIFEST_SCHEMA = 2
+"""Version 2: the quant scheme under ``scheme`` (resolved group), separate ``stats_digest`` and ``data_digest``.
+Version 1 manifests (no ``schema_version``, the scheme under ``quant``) are read and converted."""
 
 
 class ArtifactError(OscarError):
     """An artifact is missing, damaged or does not belong to the model."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An artifact's ``manifest.json``, parsed and validated once at load (see :func:`Manifest.from_dict`).
+
+    ``scheme`` is the quant scheme the clip ratios were fitted for (``group`` resolved to the head dim when it was
+    0); ``stats_digest`` identifies the calibration statistics, ``data_digest`` the calibration text;
+    ``metrics`` is the fit-time report (per-layer distortions, summary) that ``inspect`` shows."""
+
+    model_slug: str
+    model_fingerprint: str
+    run_id: int | None
+    stats_digest: str
+    data_digest: str
+    calibration_tokens: int
+    method: str
+    per_head: bool
+    layers: tuple[int, ...]
+    shape: AttentionShape
+    scheme: QuantScheme
+    fit_clip: bool
+    clip_grid: tuple[float, ...]
+    metrics: dict
+    created: str = ""
+    code_version: str = ""
+    content_hash: str = ""
+    schema_version: int = MANIFEST_SCHEMA
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["layers"] = list(self.layers)
+        d["clip_grid"] = list(self.clip_grid)
+        d["scheme"] = self.scheme.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "manifest") -> Manifest:
+        """Strict parse (version 1 is converted); raises :class:`ArtifactError` with one line on any problem."""
+        if not isinstance(d, dict):
+            raise ArtifactError(f"{where} is not a JSON object; re-run `oscar fit`")
+        version = d.get("schema_version", 1)
+        if version not in (1, MANIFEST_SCHEMA):
+            raise ArtifactError(f"{where} has schema version {version}; this oscar-kv reads versions 1 and "
+                                f"{MANIFEST_SCHEMA}: upgrade oscar-kv or re-run `oscar fit`")
+        try:
+            shape = AttentionShape(**{k: int(v) for k, v in d["shape"].items()})
+            if version == 1:
+                scheme = QuantScheme.from_dict(d["quant"], f"{where}: quant").resolved(shape.head_dim)
+                fit = d.get("fit", {})
+                data_digest, stats_digest = d.get("stats_digest", ""), ""
+                fit_clip, clip_grid = fit.get("fit_clip", True), fit.get("clip_grid", [])
+            else:
+                scheme = QuantScheme.from_dict(d["scheme"], f"{where}: scheme")
+                data_digest, stats_digest = d["data_digest"], d["stats_digest"]
+                fit_clip, clip_grid = d["fit_clip"], d["clip_grid"]
+            m = cls(
+                model_slug=str(d["model_slug"]), model_fingerprint=str(d["model_fingerprint"]),
+                run_id=None if d.get("run_id") is None else int(d["run_id"]),
+                stats_digest=str(stats_digest), data_digest=str(data_digest),
+                calibration_tokens=int(d.get("calibration_tokens", 0)), method=str(d["method"]),
+                per_head=bool(d.get("per_head", False)), layers=tuple(int(i) for i in d["layers"]), shape=shape,
+                scheme=scheme, fit_clip=bool(fit_clip), clip_grid=tuple(float(c) for c in clip_grid),
+                metrics=dict(d.get("metrics", {})), created=str(d.get("created", "")),
+                code_version=str(d.get("code_version", "")), content_hash=str(d.get("content_hash", "")),
+            )
+            consistent = scheme.group == scheme.group_for(shape.head_dim) and bool(m.layers) \
+                and all(0 <= i < shape.n_layers for i in m.layers)
+        except SchemeError as e:
+            raise ArtifactError(f"{e}; re-run `oscar fit`") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+            raise ArtifactError(f"{where} is not a valid manifest ({what}); re-run `oscar fit`") from None
+        if not consistent:
+            raise ArtifactError(f"{where} is inconsistent (scheme group {scheme.group}, layers {list(m.layers)}, "
+                                f"shape {shape}); re-run `oscar fit`")
+        return m
 
 
 @dataclass(frozen=True)
@@ -54,7 +137,7 @@ class LayerRotation:
 @dataclass(frozen=True)
 class Artifact:
     path: Path
-    manifest: dict
+    manifest: Manifest
     tensors: dict[str, torch.Tensor]
 
     @property
@@ -63,15 +146,20 @@ class Artifact:
 
     @property
     def layers(self) -> list[int]:
-        return self.tensors["layers"].tolist()
+        return list(self.manifest.layers)
 
     @property
-    def quant(self) -> QuantConfig:
-        return QuantConfig(**self.manifest["quant"])
+    def scheme(self) -> QuantScheme:
+        return self.manifest.scheme
 
     @property
     def method(self) -> str:
-        return self.manifest["method"]
+        return self.manifest.method
+
+    @property
+    def heads(self) -> int:
+        """Rotations per layer: 1 (shared by the KV heads) or the number of KV heads."""
+        return int(self.tensors["r_k"].shape[1])
 
     def layer(self, idx: int) -> LayerRotation | None:
         """Rotations of model layer ``idx``, or None when the artifact leaves that layer unquantized."""
@@ -96,32 +184,20 @@ def _next_version(model_dir: Path) -> int:
     return max(versions, default=0) + 1
 
 
-def write_artifact(
-    root: Path,
-    model_slug: str,
-    tensors: dict[str, torch.Tensor],
-    manifest: dict,
-    recipe_text: str,
-) -> Path:
-    """Write a new version atomically; returns its folder. ``manifest`` gets created/code_version/content_hash."""
+def write_artifact(root: Path, manifest: Manifest, tensors: dict[str, torch.Tensor], recipe_text: str) -> Path:
+    """Write a new version atomically; returns its folder. The manifest gets ``created``, ``code_version`` and
+    ``content_hash``; the tensors are checked against it first."""
     from safetensors.torch import save_file
 
-    required = {"layers", "r_k", "r_v", "clip_k", "clip_v", "eig_k", "eig_v"}
-    missing = required - set(tensors)
-    if missing:
-        raise ArtifactError(f"artifact tensors missing: {', '.join(sorted(missing))}")
-    model_dir = Path(root) / model_slug
+    _check_tensors(tensors, manifest, "the fitted tensors")
+    model_dir = Path(root) / manifest.model_slug
     model_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=model_dir))
     try:
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / TENSOR_FILE))
-        full = dict(manifest)
-        full.update(
-            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            code_version=__version__,
-            content_hash=sha256_file(tmp / TENSOR_FILE),
-        )
-        (tmp / MANIFEST_FILE).write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
+        full = dataclasses.replace(manifest, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                   code_version=code_version(), content_hash=sha256_file(tmp / TENSOR_FILE))
+        (tmp / MANIFEST_FILE).write_text(json.dumps(full.to_dict(), indent=2, sort_keys=True) + "\n")
         (tmp / RECIPE_FILE).write_text(recipe_text)
         for _ in range(100):
             dest = model_dir / f"v{_next_version(model_dir)}"
@@ -136,13 +212,42 @@ def write_artifact(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _check_tensors(tensors: dict[str, torch.Tensor], m: Manifest, where) -> None:
+    """Tensor names and shapes agree with the manifest (layers, KV heads or one shared rotation, head dim)."""
+    required = {"layers", "r_k", "r_v", "clip_k", "clip_v", "eig_k", "eig_v"}
+    missing = required - set(tensors)
+    if missing:
+        raise ArtifactError(f"{where}: tensors missing: {', '.join(sorted(missing))}; re-run `oscar fit`")
+    n, d, hkv = len(m.layers), m.shape.head_dim, m.shape.n_kv_heads
+    h = tensors["r_k"].shape[1] if tensors["r_k"].dim() == 4 else -1
+    want = {"r_k": (n, h, d, d), "r_v": (n, h, d, d), "clip_k": (n, h), "clip_v": (n, h), "eig_k": (n, h, d),
+            "eig_v": (n, h, d), "layers": (n,)}
+    bad = [k for k, s in want.items() if tuple(tensors[k].shape) != s]
+    if h not in (1, hkv) or bad or tensors["layers"].tolist() != list(m.layers):
+        raise ArtifactError(f"{where}: tensor shapes do not match the manifest ({n} layers, {hkv} KV heads, head dim "
+                            f"{d}; bad: {', '.join(bad) or 'layers/heads'}); re-run `oscar fit`")
+
+
 def remove_artifact(path: Path) -> None:
     """Delete an artifact folder (used to roll back when registering it fails)."""
     shutil.rmtree(path, ignore_errors=True)
 
 
+def read_manifest(path: Path) -> Manifest:
+    """Parse ``<artifact>/manifest.json`` (no tensor check; :func:`load_artifact` does the full verification)."""
+    mf = Path(path) / MANIFEST_FILE
+    try:
+        raw = json.loads(mf.read_text())
+    except OSError as e:
+        raise ArtifactError(f"{path} is not an artifact ({mf.name}: {e.strerror}); run `oscar fit`") from None
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{mf} is not valid JSON ({e.msg}); re-run `oscar fit`") from None
+    return Manifest.from_dict(raw, str(mf))
+
+
 def load_artifact(path: Path, expected_fingerprint: str | None = None) -> Artifact:
-    """Load and verify an artifact folder."""
+    """Load and verify an artifact folder: manifest parsed and validated, content hash, model fingerprint,
+    tensor shapes against the manifest."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -150,23 +255,21 @@ def load_artifact(path: Path, expected_fingerprint: str | None = None) -> Artifa
     mf, tf = path / MANIFEST_FILE, path / TENSOR_FILE
     if not mf.is_file() or not tf.is_file():
         raise ArtifactError(f"{path} is not an artifact (needs {MANIFEST_FILE} and {TENSOR_FILE}); run `oscar fit`")
-    try:
-        manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"{mf} is not valid JSON ({e.msg}); re-run `oscar fit`") from None
+    manifest = read_manifest(path)
     actual = sha256_file(tf)
-    if manifest.get("content_hash") != actual:
+    if manifest.content_hash != actual:
         raise ArtifactError(
-            f"{path}: content hash mismatch (manifest {manifest.get('content_hash')}, file {actual}); "
+            f"{path}: content hash mismatch (manifest {manifest.content_hash}, file {actual}); "
             "the artifact was modified or damaged: re-run `oscar fit`"
         )
-    if expected_fingerprint is not None and manifest.get("model_fingerprint") != expected_fingerprint:
+    if expected_fingerprint is not None and manifest.model_fingerprint != expected_fingerprint:
         raise ArtifactError(
-            f"{path} was fitted for model fingerprint {manifest.get('model_fingerprint')}, "
+            f"{path} was fitted for model fingerprint {manifest.model_fingerprint}, "
             f"but this model is {expected_fingerprint}; fit an artifact for this model"
         )
     try:
         tensors = load_file(str(tf))
     except SafetensorError as e:
         raise ArtifactError(f"{tf} cannot be read ({e}); re-run `oscar fit`") from None
+    _check_tensors(tensors, manifest, str(path))
     return Artifact(path=path, manifest=manifest, tensors=tensors)

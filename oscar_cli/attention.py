@@ -13,8 +13,9 @@ with a boolean mask that lets each (query, key) pair see exactly one copy, and r
 (memory ``O(chunk · 2n)`` per head, chunk :data:`QUERY_CHUNK`).
 
 The implementation is registered with transformers as :data:`ATTN_NAME` (``AttentionInterface`` + an eager mask so
-that padding reaches it). Per-layer settings live on the attention modules (:func:`install`); a cache that defers its
-attention (:class:`oscar_cli.cache.OscarCache`) leaves a pending handle on the module that takes precedence.
+that padding reaches it). Per-layer settings live on the attention modules (:func:`install`). A cache that attends by
+itself (:class:`oscar_cli.cache.OscarCache`) returns a :class:`CachedKV` handle from ``update`` — what attention
+reads — and this function hands the query to it; with any other attention implementation the cache refuses to run.
 """
 
 from __future__ import annotations
@@ -22,13 +23,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .methods import LayerQuant, Windows, quantized_count, roundtrip
+from .config import QuantScheme
+from .kvquant import LayerQuant, quantized_count, roundtrip
+from .models import attention_modules
 
 ATTN_NAME = "oscar_decode_equivalent"
 QUERY_CHUNK = 512
 """Queries per SDPA call: bounds the mask and score memory at ``chunk × 2n`` per head (2k tokens: ~16 MB fp32)."""
 _STATE = "_oscar_state"
-PENDING = "_oscar_pending"
+
+
+class CachedKV:
+    """What :meth:`oscar_cli.cache.OscarLayer.update` returns as keys and values: a handle on the cache layer, which
+    attends the query over its packed and exact rows (:func:`oscar_attention` calls ``layer.attend``)."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __repr__(self) -> str:
+        return f"CachedKV({type(self.layer).__name__}, {self.layer.get_seq_length()} tokens)"
 
 
 def _register() -> None:
@@ -43,13 +58,9 @@ def _register() -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, eager_mask)
 
 
-def attention_modules(model) -> dict[int, torch.nn.Module]:
-    """``layer_idx -> self-attention module`` of a transformers decoder (modules with ``layer_idx`` and ``k_proj``)."""
-    return {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")}
-
-
-def install(model, quants: list[LayerQuant | None] | None, windows: Windows | None) -> None:
-    """Switch ``model`` to decode-equivalent attention with one :class:`LayerQuant` per layer (None = exact).
+def install(model, quants: list[LayerQuant | None] | None, scheme: QuantScheme | None) -> None:
+    """Switch ``model`` to decode-equivalent attention with one :class:`LayerQuant` per layer (None = exact), with the
+    sink/recent windows of ``scheme``.
 
     ``quants=None`` leaves every layer exact (the attention is then plain SDPA)."""
     _register()
@@ -61,8 +72,7 @@ def install(model, quants: list[LayerQuant | None] | None, windows: Windows | No
     dev = next(model.parameters()).device
     for i, m in mods.items():
         lq = None if quants is None or i >= len(quants) else quants[i]
-        setattr(m, _STATE, None if lq is None else (lq.to(dev), windows))
-        m.__dict__.pop(PENDING, None)
+        setattr(m, _STATE, None if lq is None else (lq.to(dev), scheme))
     if hasattr(model, "set_attn_implementation"):
         try:
             model.set_attn_implementation(ATTN_NAME)
@@ -144,9 +154,14 @@ def mixed_attention(
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
+def is_installed(model) -> bool:
+    """True when ``model`` routes attention through :data:`ATTN_NAME`."""
+    return getattr(model.config, "_attn_implementation", None) == ATTN_NAME
+
+
 def decode_equivalent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scaling: float,
-    lq: LayerQuant, windows: Windows, q_pos: torch.Tensor | None = None,
+    lq: LayerQuant, windows: QuantScheme, q_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Teacher-forced decode-equivalent attention over a full exact sequence. q ``[B, Hq, T, d]`` at positions
     ``q_pos`` (default: the last ``T`` of ``n``); k, v ``[B, Hkv, n, d]``; allowed bool ``[B, 1, T, n]``.
@@ -168,9 +183,8 @@ def decode_equivalent(
 def oscar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The registered transformers attention function (signature of ``sdpa_attention_forward``)."""
     scaling = module.scaling if scaling is None else scaling
-    pending = module.__dict__.pop(PENDING, None)
-    if pending is not None:
-        return pending.attend(query, attention_mask, scaling), None
+    if isinstance(key, CachedKV):
+        return key.layer.attend(query, attention_mask, scaling), None
     n, T = key.shape[2], query.shape[2]
     q_pos = torch.arange(n - T, n, device=query.device)
     allowed = to_bool_mask(attention_mask, query.shape[0], q_pos, n)

@@ -7,10 +7,13 @@ Per layer and padded position ``j`` (rows left-padded; ``p_b`` = first real toke
   ``qstart = min_b p_b + sink``;
 * ``tail``  — exact, positions ``[tail_start, n)``: the last ``recent`` tokens (plus an incomplete KIVI block).
 
-Attention is deferred: ``update`` appends the new rows to the tail and leaves a handle on the layer's attention module;
-the registered decode-equivalent attention (:mod:`oscar_cli.attention`) calls :meth:`OscarLayer.attend`, which sees
-the padding mask, attends exactly as a decoder would at every new query (so a long prefill is quantized as in
-serving, not "exact prefill, quantize afterwards"), then moves tokens that left the recent window into ``codes``.
+Attention is done by the cache: ``update`` appends the new rows to the tail and returns a
+:class:`~oscar_cli.attention.CachedKV` handle as keys and values (what attention reads); the registered
+decode-equivalent attention (:mod:`oscar_cli.attention`) hands the query to :meth:`OscarLayer.attend`, which sees the
+padding mask, attends exactly as a decoder would at every new query (so a long prefill is quantized as in serving,
+not "exact prefill, quantize afterwards"), then moves tokens that left the recent window into ``codes``. If the model
+attends with anything else (``sdpa`` after a ``set_attn_implementation``, say), ``update`` refuses with one line
+instead of letting attention silently cover the exact tail only.
 
 Two seams for kernels: :meth:`OscarLayer._pack` (rotate + quantize + pack rows) and :meth:`OscarLayer.attend`
 (attend over head + codes + tail); the torch reference dequantizes the codes it reads.
@@ -25,17 +28,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from . import attention as attn
 from . import fused
+from .config import QuantScheme
 from .errors import OscarError
-from .methods import (
-    LayerQuant,
-    Method,
-    Windows,
-    dequantize_rows,
-    hf_backend,
-    quantize_rows,
-    quantized_count,
-    windows_for,
-)
+from .kvquant import LayerQuant, dequantize_rows, quantize_rows, quantized_count
+from .methods import Method, hf_backend
 from .quantizer import QuantizedRows
 
 
@@ -52,9 +48,9 @@ class OscarLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, lq: LayerQuant | None, windows: Windows, module: torch.nn.Module):
+    def __init__(self, lq: LayerQuant | None, windows: QuantScheme, config):
         super().__init__()
-        self.lq, self.windows, self.module = lq, windows, module
+        self.lq, self.windows, self.config = lq, windows, config
         self.n = 0
         self.ready = False
         self.head_k = self.head_v = None
@@ -69,8 +65,13 @@ class OscarLayer(DynamicLayer):
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.n += key_states.shape[-2]
-        self.module.__dict__[attn.PENDING] = self
-        return self.keys, self.values
+        impl = getattr(self.config, "_attn_implementation", None)
+        if impl != attn.ATTN_NAME:
+            raise OscarError(f"the model attends with {impl!r}, but OscarCache needs the {attn.ATTN_NAME!r} attention "
+                             "it installs; build the cache with make_cache() and do not switch the model's attention "
+                             "implementation while the cache is in use")
+        handle = attn.CachedKV(self)
+        return handle, handle
 
     def get_seq_length(self) -> int:
         return self.n
@@ -174,17 +175,17 @@ class OscarLayer(DynamicLayer):
 class OscarCache(Cache):
     """INT2 (or INT4) KV cache with exact sink and recent windows. Build with :func:`make_cache`.
 
-    ``quants``: one :class:`LayerQuant` per layer (None = exact layer); ``windows``: sink/recent sizes."""
+    ``quants``: one :class:`LayerQuant` per layer (None = exact layer); ``scheme``: the quant scheme (its sink and
+    recent windows; the bits and group are the quantizers')."""
 
-    def __init__(self, model, quants: list[LayerQuant | None], windows: Windows):
+    def __init__(self, model, quants: list[LayerQuant | None], scheme: QuantScheme):
         attn._register()
-        if getattr(model.config, "_attn_implementation", None) != attn.ATTN_NAME:
+        if not attn.is_installed(model):
             attn.install(model, None, None)
-        mods = attn.attention_modules(model)
         dev = next(model.parameters()).device
-        layers = [OscarLayer(None if q is None else q.to(dev), windows, mods[i]) for i, q in enumerate(quants)]
+        layers = [OscarLayer(None if q is None else q.to(dev), scheme, model.config) for q in quants]
         super().__init__(layers=layers)
-        self.windows = windows
+        self.scheme = scheme
 
     def nbytes(self) -> int:
         """Bytes held by all layers (what the cache costs in memory)."""
@@ -203,21 +204,22 @@ class OscarCache(Cache):
         return self.nbytes() * 8 / max(1, self.elements())
 
 
-def make_cache(model, method: Method, quants: list[LayerQuant | None] | None, sink: int, recent: int):
+def make_cache(model, method: Method, quants: list[LayerQuant | None] | None, scheme: QuantScheme):
     """A fresh cache for one generation: :class:`OscarCache` for quantizing methods and ``bf16``, transformers'
-    ``QuantizedCache`` (2 bits, group 64, residual ``recent``) for ``hf-*`` peers."""
+    ``QuantizedCache`` (2 bits, group 64, residual ``scheme.recent``) for ``hf-*`` peers."""
     if method.family == "hf":
         from transformers import QuantizedCache
 
         backend = hf_backend(method)
-        kw = dict(backend=backend, config=model.config, nbits=method.bits, q_group_size=64, residual_length=recent)
+        kw = dict(backend=backend, config=model.config, nbits=method.bits, q_group_size=64,
+                  residual_length=scheme.recent)
         try:
             return QuantizedCache(**kw)
         except TypeError:  # pragma: no cover  (older signature)
             kw.pop("config")
             return QuantizedCache(**kw)
     n_layers = model.config.num_hidden_layers
-    return OscarCache(model, quants if quants is not None else [None] * n_layers, windows_for(method, sink, recent))
+    return OscarCache(model, quants if quants is not None else [None] * n_layers, scheme)
 
 
 def cache_kwarg(model) -> str:

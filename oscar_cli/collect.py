@@ -31,64 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from .config import CollectConfig
-from .models import AttentionShape, LoadedModel, attention_shape
+from .models import LoadedModel, attention_modules, attention_shape
+from .stats import StatsAccumulator
 
 ATTN_NAME = "oscar_collect"
-KINDS = ("q", "k", "v", "s", "o")
-
-
-class StatsAccumulator:
-    """Float64 streaming second moments per (layer, kv head, kind). Pure torch; no model or I/O."""
-
-    def __init__(self, shape: AttentionShape, skip: int = 0):
-        self.shape = shape
-        self.skip = skip
-        L, H, d = shape.n_layers, shape.n_kv_heads, shape.head_dim
-        self.sums = {k: torch.zeros(L, H, d, d, dtype=torch.float64) for k in KINDS}
-        self.count = {k: torch.zeros(L, H, dtype=torch.float64) for k in KINDS}
-        self.weight = {k: torch.zeros(L, H, dtype=torch.float64) for k in KINDS}
-
-    def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> None:
-        """q, o: ``[B, n_heads, T, d]``; k, v: ``[B, n_kv_heads, T, d]`` (post-RoPE, any float dtype)."""
-        s = self.skip
-        H, G, d = self.shape.n_kv_heads, self.shape.group, self.shape.head_dim
-        # -> per kv head rows [H, N, d] in float64
-        qr = q[:, :, s:].double().unflatten(1, (H, G)).permute(1, 0, 2, 3, 4).reshape(H, -1, d)
-        orows = o[:, :, s:].double().unflatten(1, (H, G)).permute(1, 0, 2, 3, 4).reshape(H, -1, d)
-        kr = k[:, :, s:].double().transpose(0, 1).reshape(H, -1, d)
-        vr = v[:, :, s:].double().transpose(0, 1).reshape(H, -1, d)
-        for kind, rows in (("q", qr), ("k", kr), ("v", vr), ("o", orows)):
-            self.sums[kind][layer] += rows.transpose(1, 2) @ rows
-            self.count[kind][layer] += rows.shape[1]
-            self.weight[kind][layer] += rows.shape[1]
-        cq = self.sums["q"][layer] / self.count["q"][layer].clamp_min(1)[:, None, None]
-        w = torch.einsum("hnd,hde,hne->hn", kr, cq, kr)  # k C_Q kᵀ per row
-        self.sums["s"][layer] += (vr * w[..., None]).transpose(1, 2) @ vr
-        self.count["s"][layer] += vr.shape[1]
-        self.weight["s"][layer] += w.sum(1)
-
-    def covariance(self, kind: str) -> torch.Tensor:
-        """Normalised targets ``[L, H, d, d]``: Σ/N for q, k, v, o and Σ w v vᵀ / Σ w for s."""
-        den = self.weight[kind] if kind == "s" else self.count[kind]
-        return self.sums[kind] / den.clamp_min(1e-300)[..., None, None]
-
-    def as_rows(self) -> dict:
-        out = {}
-        for kind in KINDS:
-            for layer in range(self.shape.n_layers):
-                for h in range(self.shape.n_kv_heads):
-                    out[(layer, h, kind)] = (
-                        self.count[kind][layer, h].item(),
-                        self.weight[kind][layer, h].item(),
-                        self.sums[kind][layer, h].numpy(),
-                    )
-        return out
-
-    def load_rows(self, rows: dict) -> None:
-        for (layer, h, kind), (count, weight, mat) in rows.items():
-            self.count[kind][layer, h] = count
-            self.weight[kind][layer, h] = weight
-            self.sums[kind][layer, h] = torch.from_numpy(np.array(mat, dtype=np.float64))
+CAPTURE_ATTR = "_oscar_capture"
+"""Attribute under which :func:`capturing` hands the active capture to each attention module (removed afterwards)."""
 
 
 @dataclass
@@ -98,15 +46,12 @@ class _Capture:
     rows: dict | None = None  # {(layer, kind): tensor [n, width]}
 
 
-_active: _Capture | None = None
-
-
 def _collect_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention function registered as ``oscar_collect``: SDPA plus statistics for the active capture."""
     out = F.scaled_dot_product_attention(
         query, key, value, is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=True
     )
-    cap = _active
+    cap = getattr(module, CAPTURE_ATTR, None)
     if cap is not None:
         layer = module.layer_idx
         cap.acc.update(layer, query, key, value, out)
@@ -125,16 +70,19 @@ def register_attention() -> None:
 
 @contextlib.contextmanager
 def capturing(model, cap: _Capture):
-    """Route the model's attention through the collector while the block runs."""
-    global _active
+    """Route the model's attention through the collector while the block runs: the capture is handed to every
+    attention module (``CAPTURE_ATTR``) and taken back afterwards, so no module-level state is involved."""
     register_attention()
+    mods = attention_modules(model).values()
     old = model.config._attn_implementation
     model.config._attn_implementation = ATTN_NAME
-    _active = cap
+    for m in mods:
+        setattr(m, CAPTURE_ATTR, cap)
     try:
         yield
     finally:
-        _active = None
+        for m in mods:
+            m.__dict__.pop(CAPTURE_ATTR, None)
         model.config._attn_implementation = old
 
 

@@ -1,4 +1,9 @@
-"""Configuration: frozen dataclasses, one per concept, and recipe loading (unknown keys are errors)."""
+"""Configuration: frozen dataclasses, one per concept, and recipe loading (unknown and unused keys are errors).
+
+The quantisation scheme itself (:class:`QuantScheme`: bits, group, sink, recent, scale dtype, code levels) is defined
+once, in :mod:`oscar_kernels.scheme`, and re-exported here; an artifact's manifest carries the scheme it was fitted
+for, and everything downstream (cache, kernels, eval, serve) reads it from there.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oscar_kernels.scheme import QuantScheme, SchemeError
+
 from .errors import OscarError
+
+__all__ = [
+    "AttentionShape", "CollectConfig", "ConfigError", "EvalConfig", "FIT_METHODS", "FitConfig", "FitMethod",
+    "QuantScheme", "Recipe", "SchemeError", "Threshold", "load_recipe", "parse_layers",
+]
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_STORE = Path(".oscar")
@@ -19,26 +31,17 @@ class ConfigError(OscarError):
 
 
 @dataclass(frozen=True)
-class QuantConfig:
-    """How rotated K/V rows are stored: ``bits`` per code, one fp16 scale/zero per ``group`` elements
-    (``group = 0`` means one group per head row), the first ``sink`` and the last ``recent`` tokens kept in BF16."""
+class AttentionShape:
+    """Attention geometry of a decoder: layers, query heads, KV heads, head dim."""
 
-    bits: int = 2
-    group: int = 0
-    sink: int = 64
-    recent: int = 256
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
 
-    def __post_init__(self) -> None:
-        if self.bits not in (2, 4):
-            raise ConfigError(f"bits must be 2 or 4, got {self.bits}")
-        if self.group < 0 or self.sink < 0 or self.recent < 0:
-            raise ConfigError("group, sink and recent must be non-negative")
-
-    def group_for(self, head_dim: int) -> int:
-        g = self.group or head_dim
-        if head_dim % g or g % (8 // self.bits):
-            raise ConfigError(f"group {g} must divide the head dim {head_dim} (and be a multiple of {8 // self.bits})")
-        return g
+    @property
+    def group(self) -> int:
+        return self.n_heads // self.n_kv_heads
 
 
 @dataclass(frozen=True)
@@ -69,42 +72,65 @@ class CollectConfig:
         return -(-self.tokens // self.seq_len)
 
 
-FIT_METHODS = {
-    # name: (key basis, value basis, use P, use H, random signs)
-    "identity": (None, None, False, False, False),
-    "hadamard": (None, None, False, True, True),
-    "oscar": ("q@k", "s", True, True, False),
-    "oscar-uh": ("q@k", "s", False, True, False),
-    "oscar-u": ("q@k", "s", False, False, False),
-    "oscar-q": ("q", "s", True, True, False),
-    "oscar-out": ("q@k", "o", True, True, False),
-    "kcov": ("k", "v", True, True, False),
-    "kcov-uh": ("k", "v", False, True, False),
-    "kcov-u": ("k", "v", False, False, False),
-}
-"""Rotation methods for ``oscar fit``. Key basis ``q`` = eigenbasis of C_Q; ``q@k`` = eigenbasis of C_Q anchored on
-the leading direction of C_K (the keys' shared offset goes to the Hadamard's constant row, where the zero point
-absorbs it; see ``rotation.anchored_eigh``); ``k`` = eigenbasis of C_K. Value basis ``s`` = the score-weighted C_S,
-``o`` = the attention-output covariance C_O, ``v`` = C_V."""
+@dataclass(frozen=True)
+class FitMethod:
+    """How ``oscar fit`` builds R = U·P·H for keys and values.
+
+    ``key_basis``: ``q`` = eigenbasis of C_Q; ``q@k`` = eigenbasis of C_Q anchored on the leading direction of C_K
+    (the keys' shared offset goes to the Hadamard's constant row, where the zero point absorbs it; see
+    ``rotation.anchored_eigh``); ``k`` = eigenbasis of C_K; None = no eigenbasis. ``value_basis``: ``s`` = the
+    score-weighted C_S, ``o`` = the attention-output covariance C_O, ``v`` = C_V. ``use_p``/``use_h``: the
+    bit-reversal placement and the Hadamard; ``random_signs``: the data-free Hadamard's random sign flips."""
+
+    name: str
+    key_basis: str | None
+    value_basis: str | None
+    use_p: bool
+    use_h: bool
+    random_signs: bool
+    help: str
+
+
+FIT_METHODS: dict[str, FitMethod] = {m.name: m for m in [
+    FitMethod("identity", None, None, False, False, False, "no rotation"),
+    FitMethod("hadamard", None, None, False, True, True, "random-sign Hadamard (data-free)"),
+    FitMethod("oscar", "q@k", "s", True, True, False, "U(C_Q anchored on C_K)·P·H keys, U(C_S)·P·H values"),
+    FitMethod("oscar-uh", "q@k", "s", False, True, False, "oscar without the placement P"),
+    FitMethod("oscar-u", "q@k", "s", False, False, False, "oscar eigenbases only (no P, no H)"),
+    FitMethod("oscar-q", "q", "s", True, True, False, "plain U(C_Q)·P·H keys (the reference's basis)"),
+    FitMethod("oscar-out", "q@k", "o", True, True, False, "oscar keys, U(C_O)·P·H values"),
+    FitMethod("kcov", "k", "v", True, True, False, "U(C_K)·P·H keys, U(C_V)·P·H values"),
+    FitMethod("kcov-uh", "k", "v", False, True, False, "kcov without P"),
+    FitMethod("kcov-u", "k", "v", False, False, False, "kcov eigenbases only"),
+]}
+"""Rotation methods of ``oscar fit`` (the one registry; ``fit --method`` help is generated from it)."""
+
+
+def _default_clip_grid() -> tuple[float, ...]:
+    return tuple(round(0.50 + 0.025 * i, 3) for i in range(21))
 
 
 @dataclass(frozen=True)
 class FitConfig:
-    """How rotations and clip ratios are fitted from a collected run."""
+    """How rotations and clip ratios are fitted from a collected run, and the scheme they are fitted for."""
 
     method: str = "oscar"
     layers: str = "all"
     per_head: bool = False
     fit_clip: bool = True
-    clip_grid: tuple[float, ...] = field(default=tuple(round(0.50 + 0.025 * i, 3) for i in range(21)))
+    clip_grid: tuple[float, ...] = field(default_factory=_default_clip_grid)
     seed: int = 0
-    quant: QuantConfig = field(default_factory=QuantConfig)
+    scheme: QuantScheme = field(default_factory=QuantScheme)
 
     def __post_init__(self) -> None:
         if self.method not in FIT_METHODS:
-            raise ConfigError(f"unknown method {self.method!r}; choose one of {', '.join(FIT_METHODS)}")
+            raise ConfigError(f"unknown fit method {self.method!r}; choose one of {', '.join(FIT_METHODS)}")
         if not self.clip_grid or any(not 0 < c <= 1 for c in self.clip_grid):
             raise ConfigError("clip_grid values must lie in (0, 1]")
+
+    @property
+    def fit_method(self) -> FitMethod:
+        return FIT_METHODS[self.method]
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:
@@ -128,6 +154,181 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
     return sorted(out)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+PPL_TASK = "oscar_ppl"
+OFFLINE_TASKS = {
+    # user-facing name (also the task name of stored rows): lm-eval task shipped in oscar_cli/tasks
+    "niah_single_1": "oscar_ruler_niah_single_1",
+    "niah_multikey_2": "oscar_ruler_niah_multikey_2",
+    "niah_multikey_3": "oscar_ruler_niah_multikey_3",
+    "oscar_niah": "oscar_niah",
+}
+TASK_GROUPS = {"ruler": ("niah_single_1",)}
+"""``ruler`` means the RULER tasks that run offline; ``niah_multikey_2/3`` can be named explicitly."""
+
+
+def expand_tasks(names) -> list[str]:
+    """User task names -> the task names rows are stored under (groups expanded, duplicates dropped, in order)."""
+    out: list[str] = []
+    for n in names:
+        for m in TASK_GROUPS.get(n, (n,)):
+            if m not in out:
+                out.append(m)
+    return out
+
+
+DEFAULT_EVAL_TASKS = (PPL_TASK,)
+DEFAULT_EVAL_METHODS = ("bf16", "int2-naive", "int2-hadamard", "oscar")
+DEFAULT_SEQ_LENGTHS = (1024,)
+DEFAULT_PPL_WINDOWS = 4
+"""Windows per sequence length for ``oscar_ppl`` when no limit is given."""
+BOUNDS = ("max", "min", "max_ratio", "min_ratio")
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """One bound an evaluation must meet: the ``metric`` of ``method`` on ``task`` (at ``seq_len``, or at every
+    evaluated length when None) is at most ``max`` / at least ``min``, or its ratio to the same metric of
+    ``baseline`` is at most ``max_ratio`` / at least ``min_ratio``. Exactly one bound is given."""
+
+    method: str
+    task: str
+    metric: str
+    bound: str
+    value: float
+    seq_len: int | None = None
+    baseline: str = "bf16"
+
+    @property
+    def relative(self) -> bool:
+        return self.bound.endswith("_ratio")
+
+    def holds(self, value: float, base: float | None) -> bool:
+        x = value / base if self.relative else value
+        return x <= self.value if self.bound.startswith("max") else x >= self.value
+
+    def describe(self) -> str:
+        at = f"@{self.seq_len}" if self.seq_len else ""
+        of = f" of {self.baseline}" if self.relative else ""
+        op = "<=" if self.bound.startswith("max") else ">="
+        what = "ratio" if self.relative else "value"
+        return f"{self.method} {self.task} {self.metric}{at}: {what}{of} {op} {self.value:g}"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What ``oscar eval`` runs. ``scheme_overrides``: explicit ``sink``/``recent``/``group``/``bits`` that replace the
+    scheme of every method (an artifact's scheme, or the data-free methods' defaults); refused where they cannot hold.
+    ``thresholds``: bounds checked after the run (from a recipe)."""
+
+    model: str = DEFAULT_MODEL
+    tasks: tuple[str, ...] = DEFAULT_EVAL_TASKS
+    methods: tuple[str, ...] = DEFAULT_EVAL_METHODS
+    seq_lengths: tuple[int, ...] = DEFAULT_SEQ_LENGTHS
+    limit: int | None = None
+    artifact: str = "latest"
+    data: Path | None = None
+    decode: bool = False
+    scheme_overrides: tuple[tuple[str, int], ...] = ()
+    thresholds: tuple[Threshold, ...] = ()
+    server: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise ConfigError("--tasks is empty; pass e.g. --tasks oscar_ppl,ruler")
+        if not self.methods:
+            raise ConfigError("--methods is empty; pass e.g. --methods bf16,int2-naive,int2-hadamard,oscar")
+        if not self.seq_lengths or any(n <= 1 for n in self.seq_lengths):
+            raise ConfigError(f"--seq-lengths {list(self.seq_lengths)} must be token counts above 1, e.g. 1024,4096")
+        if self.limit is not None and self.limit <= 0:
+            raise ConfigError(f"--limit must be positive, got {self.limit}")
+        allowed = {"sink", "recent", "group", "bits"}
+        for k, v in self.scheme_overrides:
+            if k not in allowed:
+                raise ConfigError(f"cannot override {k!r} of the scheme; overridable: {', '.join(sorted(allowed))}")
+            if v < 0:
+                raise ConfigError(f"--{k} must be non-negative, got {v}")
+
+    @property
+    def overrides(self) -> dict[str, int]:
+        return dict(self.scheme_overrides)
+
+
+EVAL_KEYS = {"tasks", "methods", "seq_lengths", "limit", "sink", "recent", "group", "bits", "artifact", "decode"}
+THRESHOLD_KEYS = {"method", "task", "metric", "seq_len", "baseline", *BOUNDS}
+
+
+def _tuple(v, where: str, conv) -> tuple:
+    items = v if isinstance(v, (list, tuple)) else str(v).split(",")
+    try:
+        return tuple(conv(x) for x in items if str(x).strip())
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} must be a list, got {v!r}") from None
+
+
+def _eval_config(ev: dict[str, Any], model: str, where: str) -> EvalConfig:
+    bad = sorted(set(ev) - EVAL_KEYS)
+    if bad:
+        raise ConfigError(f"unknown key(s) {', '.join(bad)} in {where}; allowed: {', '.join(sorted(EVAL_KEYS))}")
+    kw: dict[str, Any] = {"model": model}
+    if "tasks" in ev:
+        kw["tasks"] = _tuple(ev["tasks"], f"{where}.tasks", lambda x: str(x).strip())
+    if "methods" in ev:
+        kw["methods"] = _tuple(ev["methods"], f"{where}.methods", lambda x: str(x).strip())
+    if "seq_lengths" in ev:
+        kw["seq_lengths"] = _tuple(ev["seq_lengths"], f"{where}.seq_lengths", int)
+    for k in ("limit",):
+        if k in ev:
+            kw[k] = None if ev[k] is None else int(ev[k])
+    if "artifact" in ev:
+        kw["artifact"] = str(ev["artifact"])
+    if "decode" in ev:
+        kw["decode"] = bool(ev["decode"])
+    kw["scheme_overrides"] = tuple((k, int(ev[k])) for k in ("bits", "group", "sink", "recent") if k in ev)
+    return EvalConfig(**kw)
+
+
+def _thresholds(raw, ev: EvalConfig, where: str) -> tuple[Threshold, ...]:
+    """Parse ``thresholds:`` (a list of mappings); every threshold must refer to a method and task the eval runs."""
+    if raw in (None, [], {}):
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where} must be a list of {{method, task, metric, max|min|max_ratio|min_ratio}} mappings")
+    run_tasks = set(expand_tasks(ev.tasks))
+    out = []
+    for i, t in enumerate(raw):
+        at = f"{where}[{i}]"
+        if not isinstance(t, dict):
+            raise ConfigError(f"{at} must be a mapping with method, task, metric and one bound")
+        unknown = sorted(set(t) - THRESHOLD_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown key(s) {', '.join(unknown)} in {at}; allowed: {', '.join(sorted(THRESHOLD_KEYS))}")
+        missing = [k for k in ("method", "task", "metric") if k not in t]
+        bounds = [b for b in BOUNDS if b in t]
+        if missing or len(bounds) != 1:
+            raise ConfigError(f"{at} needs method, task, metric and exactly one of {', '.join(BOUNDS)}")
+        th = Threshold(method=str(t["method"]), task=str(t["task"]), metric=str(t["metric"]), bound=bounds[0],
+                       value=float(t[bounds[0]]), seq_len=None if t.get("seq_len") is None else int(t["seq_len"]),
+                       baseline=str(t.get("baseline", "bf16")))
+        if th.method not in ev.methods:
+            raise ConfigError(f"{at} checks method {th.method!r}, which the eval section does not run "
+                              f"(methods: {', '.join(ev.methods)})")
+        if th.relative and th.baseline not in ev.methods:
+            raise ConfigError(f"{at} compares with {th.baseline!r}, which the eval section does not run; add it to methods")
+        if "baseline" in t and not th.relative:
+            raise ConfigError(f"{at} has a baseline but an absolute bound; use max_ratio/min_ratio or drop baseline")
+        if th.task not in run_tasks:
+            raise ConfigError(f"{at} checks task {th.task!r}, which the eval section does not run "
+                              f"(tasks: {', '.join(sorted(run_tasks))})")
+        if th.seq_len is not None and th.seq_len not in ev.seq_lengths:
+            raise ConfigError(f"{at} checks seq_len {th.seq_len}, not among seq_lengths {list(ev.seq_lengths)}")
+        out.append(th)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A recipe file: one section per stage plus the thresholds an evaluation must meet."""
@@ -135,33 +336,39 @@ class Recipe:
     model: str = DEFAULT_MODEL
     collect: CollectConfig = field(default_factory=CollectConfig)
     fit: FitConfig = field(default_factory=FitConfig)
-    eval: dict[str, Any] = field(default_factory=dict)
-    thresholds: dict[str, Any] = field(default_factory=dict)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    has_eval: bool = False
     source: str = ""
+
+    @property
+    def thresholds(self) -> tuple[Threshold, ...]:
+        return self.eval.thresholds
 
 
 def _build(cls, section: dict[str, Any], where: str):
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where} must be a mapping")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(section) - names)
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(unknown)} in {where}; allowed: {', '.join(sorted(names))}")
     kwargs = dict(section)
-    if cls is FitConfig:
-        if "quant" in kwargs:
-            kwargs["quant"] = _build(QuantConfig, kwargs["quant"] or {}, f"{where}.quant")
-        if "clip_grid" in kwargs:
-            kwargs["clip_grid"] = tuple(float(c) for c in kwargs["clip_grid"])
     try:
+        if cls is FitConfig:
+            if "scheme" in kwargs:
+                kwargs["scheme"] = QuantScheme.from_dict(kwargs["scheme"] or {}, f"{where}.scheme")
+            if "clip_grid" in kwargs:
+                kwargs["clip_grid"] = tuple(float(c) for c in kwargs["clip_grid"])
         return cls(**kwargs)
+    except SchemeError as e:
+        raise ConfigError(f"{where}: {e}") from None
     except TypeError as e:
         raise ConfigError(f"bad value in {where}: {e}") from None
 
 
-EVAL_KEYS = {"tasks", "methods", "sink", "recent", "limit", "seq_lengths", "ablation"}
-
-
 def load_recipe(path: Path) -> Recipe:
-    """Parse a recipe YAML; unknown keys anywhere are errors."""
+    """Parse a recipe YAML; unknown keys anywhere, and thresholds about methods or tasks the recipe does not
+    evaluate, are errors."""
     import yaml
 
     try:
@@ -178,15 +385,16 @@ def load_recipe(path: Path) -> Recipe:
     unknown = sorted(set(raw) - allowed)
     if unknown:
         raise ConfigError(f"unknown section(s) {', '.join(unknown)} in {path}; allowed: {', '.join(sorted(allowed))}")
-    ev = raw.get("eval") or {}
-    bad = sorted(set(ev) - EVAL_KEYS)
-    if bad:
-        raise ConfigError(f"unknown key(s) {', '.join(bad)} in {path}:eval; allowed: {', '.join(sorted(EVAL_KEYS))}")
+    model = str(raw.get("model", DEFAULT_MODEL))
+    ev = _eval_config(raw.get("eval") or {}, model, f"{path}:eval")
+    if raw.get("thresholds") and "eval" not in raw:
+        raise ConfigError(f"{path} has thresholds but no eval section to check them against")
+    ev = dataclasses.replace(ev, thresholds=_thresholds(raw.get("thresholds"), ev, f"{path}:thresholds"))
     return Recipe(
-        model=str(raw.get("model", DEFAULT_MODEL)),
+        model=model,
         collect=_build(CollectConfig, raw.get("collect") or {}, f"{path}:collect"),
         fit=_build(FitConfig, raw.get("fit") or {}, f"{path}:fit"),
-        eval=dict(ev),
-        thresholds=dict(raw.get("thresholds") or {}),
+        eval=ev,
+        has_eval="eval" in raw,
         source=text,
     )

@@ -1,5 +1,11 @@
-"""Accuracy evaluation: decode-equivalent perplexity and lm-eval tasks for every KV method.
+"""Accuracy evaluation: the library behind ``oscar eval`` (config in, typed rows out), perplexity and lm-eval tasks.
 
+* :func:`run_eval` is the entry point: an :class:`~oscar_cli.config.EvalConfig` in, an :class:`EvalResult` out (one
+  :class:`EvalRow` per metric, stored in the ``evals`` table as each method finishes, and the recipe thresholds the
+  rows miss). It resolves artifacts (``latest``, ``vN``, a path, ``fit:METHOD[+per-head]``), decides every method's
+  :class:`~oscar_kernels.scheme.QuantScheme` (an artifact's own; data-free baselines take the artifact's sink/recent
+  so that the table compares like with like; explicit overrides on top, refused where they cannot hold) and runs the
+  method loop. The CLI only parses flags into the config and renders the result.
 * :func:`prepare` puts a model into a method's state: exact methods and ``hf-*`` peers use plain SDPA, quantizing
   methods use the decode-equivalent attention (:mod:`oscar_cli.attention`) for teacher-forced scoring.
 * :func:`perplexity` is the ``oscar_ppl`` task: token-level perplexity over consecutive windows of ``seq_len``
@@ -14,26 +20,32 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .config import (
+    DEFAULT_PPL_WINDOWS,
+    OFFLINE_TASKS,
+    PPL_TASK,
+    EvalConfig,
+    QuantScheme,
+    Threshold,
+    expand_tasks,
+)
 from .errors import OscarError
-from .methods import Method, Windows, bits_per_element, build_layer_quants, windows_for
+from .kvquant import bits_per_element, build_layer_quants
+from .methods import Method, get_method, parse_methods, scheme_for, scheme_record
 
-OFFLINE_TASKS = {
-    # user-facing name: (task in oscar_cli/tasks, metric prefix)
-    "niah_single_1": "oscar_ruler_niah_single_1",
-    "niah_multikey_2": "oscar_ruler_niah_multikey_2",
-    "niah_multikey_3": "oscar_ruler_niah_multikey_3",
-    "oscar_niah": "oscar_niah",
-}
-TASK_GROUPS = {"ruler": ["niah_single_1"]}
-"""``ruler`` means the RULER tasks that run offline; ``niah_multikey_2/3`` can be named explicitly."""
-PPL_TASK = "oscar_ppl"
+__all__ = ["EvalError", "EvalResult", "EvalRow", "Prepared", "ThresholdMiss", "check_thresholds", "element_bits",
+           "lm_task_names", "oscar_lm_class", "perplexity", "prepare", "resolve_artifact_ref", "run_eval",
+           "run_lm_eval"]
 
 
 class EvalError(OscarError):
@@ -42,10 +54,11 @@ class EvalError(OscarError):
 
 @dataclass(frozen=True)
 class Prepared:
-    """A model in one method's state. ``quants``: per-layer quantizers (None for exact/peer methods)."""
+    """A model in one method's state. ``scheme``: what the method runs with; ``quants``: per-layer quantizers (None
+    for exact/peer methods)."""
 
     method: Method
-    windows: Windows
+    scheme: QuantScheme
     quants: list | None
     artifact: str | None
 
@@ -61,11 +74,15 @@ def _set_sdpa(model) -> None:
         model.config._attn_implementation = "sdpa"
 
 
-def prepare(model, method: Method, sink: int, recent: int, artifact=None) -> Prepared:
-    """Switch ``model`` to ``method`` (with an :class:`oscar_cli.artifact.Artifact` for artifact methods)."""
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def prepare(model, method: Method, scheme: QuantScheme, artifact=None) -> Prepared:
+    """Switch ``model`` to ``method`` at ``scheme`` (see :func:`oscar_cli.methods.scheme_for`), with an
+    :class:`oscar_cli.artifact.Artifact` for artifact methods."""
     from . import attention
 
-    windows = windows_for(method, sink, recent)
     art_name = artifact.name if artifact is not None and method.needs_artifact else None
     if method.family in ("exact", "hf"):
         if method.family == "hf":
@@ -73,31 +90,26 @@ def prepare(model, method: Method, sink: int, recent: int, artifact=None) -> Pre
 
             hf_backend(method)  # a clear error now, not mid-run
         _set_sdpa(model)
-        return Prepared(method, windows, None, art_name)
+        return Prepared(method, scheme, None, art_name)
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    quants = build_layer_quants(method, cfg.num_hidden_layers, head_dim, cfg.num_key_value_heads, artifact)
-    attention.install(model, quants, windows)
-    return Prepared(method, windows, quants, art_name)
+    quants = build_layer_quants(method, scheme, cfg.num_hidden_layers, head_dim_of(cfg), cfg.num_key_value_heads,
+                                artifact)
+    attention.install(model, quants, scheme)
+    return Prepared(method, scheme, quants, art_name)
 
 
 def element_bits(prep: Prepared, model, seq_len: int, exact_bits: int = 16) -> float:
     """Storage bits per K/V element at ``seq_len`` tokens with BF16 exact windows (see
-    :func:`oscar_cli.methods.bits_per_element`). ``hf-*`` peers: 2-bit codes, fp scale+zero per 64, BF16 residual."""
+    :func:`oscar_cli.kvquant.bits_per_element`). ``hf-*`` peers: 2-bit codes, fp scale+zero per 64, BF16 residual."""
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     m = prep.method
     if m.family == "hf":
         # QuantizedCache flushes its whole residual when it reaches `recent` tokens: on average recent/2 exact
-        nq = max(0, seq_len - prep.windows.recent // 2)
+        nq = max(0, seq_len - prep.scheme.recent // 2)
         return (nq * (m.bits + 2 * exact_bits / 64) + (seq_len - nq) * exact_bits) / seq_len
-    group = None
-    if prep.quants:
-        q = next((q for q in prep.quants if q is not None), None)
-        group = q.group if q is not None else None
-    return bits_per_element(m, seq_len, head_dim, prep.windows.sink, prep.windows.recent,
+    return bits_per_element(m, prep.scheme, seq_len, head_dim_of(cfg),
                             layers_quantized=prep.layers_quantized if m.family == "quant" else None,
-                            n_layers=cfg.num_hidden_layers, exact_bits=exact_bits, group=group)
+                            n_layers=cfg.num_hidden_layers, exact_bits=exact_bits)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -126,7 +138,7 @@ def _nll_decoding(model, window: torch.Tensor, prep: Prepared) -> tuple[float, i
     from .cache import cache_kwarg, make_cache
 
     dev = next(model.parameters()).device
-    cache = make_cache(model, prep.method, prep.quants, prep.windows.sink, prep.windows.recent)
+    cache = make_cache(model, prep.method, prep.quants, prep.scheme)
     kw = cache_kwarg(model)
     total = 0.0
     x = window.to(dev)
@@ -179,13 +191,15 @@ def _make_oscar_lm_class():
         """lm-eval model ``oscar``: an HF causal LM whose KV cache is a method of :mod:`oscar_cli.methods`.
 
         Arguments (``--model_args``): ``pretrained`` (a loaded model or a model spec for
-        :func:`oscar_cli.models.load_model`), ``method``, ``artifact`` (path), ``sink``, ``recent``, ``store``,
+        :func:`oscar_cli.models.load_model`), ``method``, ``artifact`` (a path or a loaded artifact), the scheme
+        overrides ``sink``, ``recent``, ``group``, ``bits`` (default: the artifact's scheme, or
+        :class:`QuantScheme`'s for data-free methods; ``windows`` sets the data-free methods' sink/recent), ``store``,
         plus any ``HFLM`` argument."""
 
         def __init__(self, pretrained="smollm2-135m", method: str | Method = "bf16", artifact=None,
-                     sink: int = 64, recent: int = 256, store: str = ".oscar", tokenizer=None, **kwargs):
-            from .methods import get_method
-
+                     sink: int | None = None, recent: int | None = None, group: int | None = None,
+                     bits: int | None = None, windows: QuantScheme | None = None, store: str = ".oscar",
+                     tokenizer=None, **kwargs):
             if isinstance(pretrained, str):
                 from .models import load_model
 
@@ -195,17 +209,22 @@ def _make_oscar_lm_class():
                 from .artifact import load_artifact
 
                 artifact = load_artifact(Path(artifact))
-            self._method = get_method(method) if isinstance(method, str) else method
+            method = get_method(method) if isinstance(method, str) else method
+            overrides = {k: int(v) for k, v in dict(sink=sink, recent=recent, group=group, bits=bits).items()
+                         if v is not None}
+            scheme = scheme_for(method, head_dim_of(pretrained.config),
+                                artifact_scheme=artifact.scheme if artifact is not None else None,
+                                windows=windows, overrides=overrides,
+                                artifact_name=artifact.name if artifact is not None else "")
             kwargs.setdefault("device", str(next(pretrained.parameters()).device))
             super().__init__(pretrained=pretrained, tokenizer=tokenizer, **kwargs)
-            self.prep = prepare(self.model, self._method, int(sink), int(recent), artifact)
+            self.prep = prepare(self.model, method, scheme, artifact)
 
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
             from .cache import cache_kwarg, make_cache
 
             if self.prep.method.family != "exact":
-                cache = make_cache(self.model, self.prep.method, self.prep.quants, self.prep.windows.sink,
-                                   self.prep.windows.recent)
+                cache = make_cache(self.model, self.prep.method, self.prep.quants, self.prep.scheme)
                 generation_kwargs[cache_kwarg(self.model)] = cache
                 pad = self.tokenizer.pad_token_id
                 if pad is not None and "attention_mask" not in generation_kwargs:
@@ -233,15 +252,9 @@ def tasks_dir() -> Path:
     return Path(__file__).parent / "tasks"
 
 
-def expand_tasks(names: list[str]) -> list[str]:
-    """User task names -> lm-eval task names (``ruler`` -> offline RULER NIAH; offline names -> shipped tasks)."""
-    out: list[str] = []
-    for n in names:
-        for m in TASK_GROUPS.get(n, [n]):
-            t = OFFLINE_TASKS.get(m, m)
-            if t not in out:
-                out.append(t)
-    return out
+def lm_task_names(names) -> list[str]:
+    """Row task names (see :func:`oscar_cli.config.expand_tasks`) -> lm-eval task names (offline ones are shipped)."""
+    return [OFFLINE_TASKS.get(n, n) for n in names]
 
 
 def run_lm_eval(lm, tasks: list[str], limit: int | None, metadata: dict) -> dict[str, dict[str, float]]:
@@ -292,3 +305,224 @@ def lm_eval_version() -> str:
         return version("lm_eval")
     except Exception:  # noqa: BLE001
         return "unknown"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The entry point
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """One metric of one method on one task (what the ``evals`` table stores). ``config`` holds the run settings,
+    the effective ``scheme`` and the explicit ``overrides``."""
+
+    model_fingerprint: str
+    model_slug: str
+    method: str
+    artifact: str | None
+    task: str
+    metric: str
+    value: float
+    config: dict
+    bits_per_element: float
+    lm_eval_version: str
+
+    @property
+    def seq_len(self) -> int | None:
+        return self.config.get("seq_len")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ThresholdMiss:
+    """A threshold the rows do not meet (``value`` None: no row was produced for it)."""
+
+    threshold: Threshold
+    value: float | None
+    baseline: float | None = None
+    seq_len: int | None = None
+
+    def message(self) -> str:
+        t = self.threshold
+        at = f"@{self.seq_len}" if self.seq_len else ""
+        where = f"{t.method} {t.task} {t.metric}{at}"
+        if self.value is None:
+            return f"threshold not checked: no {where} row was produced ({t.describe()})"
+        op = ">" if t.bound.startswith("max") else "<"
+        if t.relative:
+            got = (f"{self.value:.4g}, ratio to {t.baseline} {self.value / self.baseline:.4g}" if self.baseline
+                   else f"{self.value:.4g}, no {t.baseline} row to compare with")
+            return f"threshold missed: {where} = {got} {op} {t.bound} {t.value:g}"
+        return f"threshold missed: {where} = {self.value:.4g} {op} {t.bound} {t.value:g}"
+
+
+@dataclass
+class EvalResult:
+    rows: list[EvalRow] = field(default_factory=list)
+    misses: list[ThresholdMiss] = field(default_factory=list)
+
+
+def check_thresholds(rows: list[EvalRow], thresholds) -> list[ThresholdMiss]:
+    """Every (threshold, evaluated length) that the rows miss, in threshold order."""
+    misses = []
+    for t in thresholds:
+        hits = [r for r in rows if (r.method, r.task, r.metric) == (t.method, t.task, t.metric)
+                and (t.seq_len is None or r.seq_len == t.seq_len)]
+        if not hits:
+            misses.append(ThresholdMiss(t, None, seq_len=t.seq_len))
+        for r in hits:
+            base = None
+            if t.relative:
+                base = next((b.value for b in rows if (b.method, b.task, b.metric, b.seq_len)
+                             == (t.baseline, r.task, r.metric, r.seq_len)), None)
+            if base is None and t.relative or not t.holds(r.value, base):
+                misses.append(ThresholdMiss(t, r.value, base, r.seq_len))
+    return misses
+
+
+def resolve_artifact_ref(store, ref: str, slug: str) -> Path:
+    """``fit:METHOD[+per-head]`` -> the newest artifact of that fit method; anything else -> the store's resolver
+    (``latest``, ``vN``, ``model/vN``, an id, a folder)."""
+    from .artifact import ArtifactError, read_manifest
+
+    if not ref.startswith("fit:"):
+        return store.resolve_artifact(ref, slug)
+    want, _, flag = ref[4:].partition("+")
+    if flag not in ("", "per-head"):
+        raise EvalError(f"artifact ref {ref!r}: use fit:METHOD or fit:METHOD+per-head")
+    per_head = flag == "per-head"
+    for a in reversed(store.list_artifacts(slug)):
+        if a["method"] != want:
+            continue
+        try:
+            manifest = read_manifest(Path(a["path"]))
+        except ArtifactError:
+            continue
+        if manifest.per_head == per_head:
+            return Path(a["path"])
+    raise EvalError(f"no artifact fitted with method {want}{' per head' if per_head else ''} for {slug}; "
+                    f"run: oscar fit --method {want}{' --per-head' if per_head else ''}")
+
+
+class Progress:
+    """What :func:`run_eval` reports while it runs (the CLI draws a bar from it; the default does nothing)."""
+
+    def start(self, total: int) -> None: ...
+
+    def describe(self, text: str) -> None: ...
+
+    def advance(self) -> None: ...
+
+
+def reference_windows(artifacts: dict, overrides: dict[str, int]) -> QuantScheme:
+    """The sink/recent that data-free methods run with: the artifacts' (when they agree), else the defaults; an
+    explicit override wins (it applies to every method)."""
+    wins = {(a.scheme.sink, a.scheme.recent): a.name for a in artifacts.values()}
+    if len(wins) > 1 and not {"sink", "recent"} <= set(overrides):
+        shown = ", ".join(f"{n} ({s}/{r})" for (s, r), n in wins.items())
+        raise EvalError(f"the artifacts keep different sink/recent windows: {shown}; pass --sink and --recent to "
+                        "compare them (and the data-free baselines) at one setting")
+    if len(wins) == 1:
+        (sink, recent), = wins
+        return QuantScheme(sink=sink, recent=recent)
+    return QuantScheme()
+
+
+def run_eval(cfg: EvalConfig, store: Path, progress: Progress | None = None) -> EvalResult:
+    """Evaluate every method of ``cfg`` on its tasks; rows go to the store's ``evals`` table as each method finishes
+    (an interrupted run keeps every finished method). Returns the rows and the threshold misses."""
+    from .artifact import load_artifact
+    from .models import load_model
+    from .store import Store
+
+    progress = progress or Progress()
+    methods = parse_methods(cfg.methods)
+    row_tasks = expand_tasks(cfg.tasks)
+    lm_tasks = lm_task_names([t for t in row_tasks if t != PPL_TASK])
+    do_ppl = PPL_TASK in row_tasks
+    if cfg.data is not None and not Path(cfg.data).is_file():
+        raise EvalError(f"--data {cfg.data} is not a file; pass a UTF-8 text file")
+    if any(m.cache_only for m in methods) and do_ppl and max(cfg.seq_lengths) > 2048:
+        raise EvalError("hf-* peers decode token by token for oscar_ppl; use --seq-lengths of at most 2048")
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    st = Store(store)
+    loaded = load_model(cfg.model, store, dtype=dtype, device=device)
+    head_dim = head_dim_of(loaded.config)
+    artifacts = {}
+    for m in methods:
+        ref = m.arg or cfg.artifact
+        if m.needs_artifact and ref not in artifacts:
+            artifacts[ref] = load_artifact(resolve_artifact_ref(st, ref, loaded.slug), loaded.fingerprint)
+    overrides = cfg.overrides
+    windows = reference_windows(artifacts, overrides)
+    plan = []  # every method's scheme first, so a refused override stops the run before any work
+    for m in methods:
+        art = artifacts.get(m.arg or cfg.artifact) if m.needs_artifact else None
+        scheme = scheme_for(m, head_dim, artifact_scheme=art.scheme if art else None, windows=windows,
+                            overrides=overrides, artifact_name=art.name if art else "")
+        plan.append((m, art, scheme))
+    text_ids = None
+    if do_ppl:
+        from .data import heldout_text, read_text_file
+
+        text = read_text_file(cfg.data) if cfg.data is not None else heldout_text()
+        text_ids = token_ids(loaded.tokenizer, text)
+
+    version = lm_eval_version()
+    per_len = cfg.limit or DEFAULT_PPL_WINDOWS
+    n_ppl = sum(min(per_len, text_ids.numel() // n) for n in cfg.seq_lengths) if text_ids is not None else 0
+    progress.start(len(methods) * (n_ppl + (1 if lm_tasks else 0)))
+    result = EvalResult()
+    for m, art, scheme in plan:
+        rows: list[EvalRow] = []
+        prep = prepare(loaded.model, m, scheme, art)
+        base = dict(model_fingerprint=loaded.fingerprint, model_slug=loaded.slug, method=m.label,
+                    artifact=prep.artifact, lm_eval_version=version)
+        run_cfg = dict(limit=cfg.limit, device=device, dtype=str(dtype).removeprefix("torch."), bits=scheme.bits,
+                       **scheme_record(scheme, overrides))
+        if text_ids is not None:
+            for n in cfg.seq_lengths:
+                progress.describe(f"{m.label} {PPL_TASK}@{n}")
+                wins = windows_of(text_ids, n, per_len)
+                ppl = perplexity(loaded.model, wins, prep, progress.advance, decode=cfg.decode)
+                rows.append(EvalRow(**base, task=PPL_TASK, metric="ppl", value=ppl,
+                                    config=dict(run_cfg, seq_len=n, windows=len(wins),
+                                                mode="decode" if cfg.decode or m.cache_only else "teacher-forced",
+                                                data=str(cfg.data) if cfg.data else "builtin:heldout"),
+                                    bits_per_element=element_bits(prep, loaded.model, n)))
+        if lm_tasks:
+            progress.describe(f"{m.label} {','.join(lm_tasks)}")
+            from .tasks import TOKENIZERS
+
+            tok_name = getattr(loaded.tokenizer, "name_or_path", None) or loaded.slug
+            TOKENIZERS[tok_name] = loaded.tokenizer
+            lm = oscar_lm_class()(pretrained=loaded.model, tokenizer=loaded.tokenizer, method=m, artifact=art,
+                                  windows=windows, batch_size=1, max_length=max(cfg.seq_lengths) + 256,
+                                  **overrides)
+            res = run_lm_eval(lm, lm_tasks, cfg.limit, {"tokenizer": tok_name, "max_seq_lengths": list(cfg.seq_lengths)})
+            for task, metrics in res.items():
+                samples = metrics.pop("sample_len", None)
+                for metric, value in metrics.items():
+                    if value == -1.0:
+                        continue  # RULER's placeholder for lengths that were not run
+                    n = int(metric) if metric.isdigit() else max(cfg.seq_lengths)
+                    rows.append(EvalRow(**base, task=task.removeprefix("oscar_ruler_"), metric=metric, value=value,
+                                        config=dict(run_cfg, seq_len=n, seq_lengths=list(cfg.seq_lengths),
+                                                    samples=samples),
+                                        bits_per_element=element_bits(prep, loaded.model, n)))
+            progress.advance()
+        st.record_evals([r.to_dict() for r in rows])  # per method: an interrupted run keeps every finished method
+        result.rows.extend(rows)
+    result.misses = check_thresholds(result.rows, cfg.thresholds)
+    return result
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """Libraries under lm-eval print to stdout; keep stdout for results (``--json`` stays parseable)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield

@@ -22,9 +22,6 @@ from . import rotation as rot
 from .config import FIT_METHODS, FitConfig
 from .quantizer import fake_quant
 
-HADAMARD_SEED = 0
-"""Seed of the random signs of the data-free Hadamard baseline (fixed so that every artifact and report agree)."""
-
 
 @dataclass
 class LayerData:
@@ -123,7 +120,8 @@ def fit_clip(metric, data: LayerData, kind: str, r: torch.Tensor, grid: tuple[fl
 
 def method_rotations(data: LayerData, method: str, group: int, per_head: bool) -> tuple[torch.Tensor, ...]:
     """``(r_k, r_v, eig_k, eig_v)`` for one layer: rotations ``[h, d, d]`` and target eigenvalues ``[h, d]``."""
-    kb, vb, use_p, use_h, signs = FIT_METHODS[method]
+    fm = FIT_METHODS[method]
+    kb, vb, use_p, use_h, signs = fm.key_basis, fm.value_basis, fm.use_p, fm.use_h, fm.random_signs
     covs = {"q": data.cq, "k": data.ck, "v": data.cv, "s": data.cs, "o": data.co}
     H, d = data.cq.shape[0], data.cq.shape[-1]
 
@@ -138,7 +136,7 @@ def method_rotations(data: LayerData, method: str, group: int, per_head: bool) -
         for c, a in zip(target, anchors, strict=True):
             es.append(rot.eigh_desc(c)[0] if a is None else rot.anchored_eigh(a, c)[0])
             rs.append(rot.compose(c, use_u=basis is not None, use_p=use_p, use_h=use_h, group=group,
-                                  signs_seed=HADAMARD_SEED if signs else None, anchor=a))
+                                  signs_seed=rot.HADAMARD_SEED if signs else None, anchor=a))
         return torch.stack(rs), torch.stack(es)
 
     r_k, e_k = build(kb, "q")
@@ -159,7 +157,7 @@ def spectrum_summary(evals: torch.Tensor) -> dict:
 
 def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int) -> LayerFit:
     """Rotations, clip ratios and held-out distortion report for one layer."""
-    q = cfg.quant
+    q = cfg.scheme
     group = q.group_for(head_dim)
     fit_half, held = data.split()
     r_k, r_v, e_k, e_v = method_rotations(data, cfg.method, group, cfg.per_head)
@@ -181,7 +179,7 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int) -> LayerFit:
 
     # Baselines on the held-out half: identity and Hadamard at plain min/max, Hadamard with its own fitted clip.
     eye = torch.eye(head_dim, dtype=torch.float64).unsqueeze(0)
-    had = rot.compose(eye[0], use_u=False, use_p=False, use_h=True, group=group, signs_seed=HADAMARD_SEED)[None]
+    had = rot.data_free_hadamard(head_dim, group)[None]
     hk, _ = fit_clip(kmetric(fit_half), fit_half, "k", had, cfg.clip_grid, False)
     hv, _ = fit_clip(vmetric(fit_half), fit_half, "v", had, cfg.clip_grid, False)
     one1 = torch.ones(1, dtype=torch.float64)

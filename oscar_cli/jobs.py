@@ -6,16 +6,14 @@ This is the glue between the store (collect's output) and artifacts; the math li
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from . import artifact as art
-from .collect import KINDS, StatsAccumulator
-from .config import FitConfig, parse_layers
+from .config import AttentionShape, FitConfig, SchemeError, parse_layers
 from .fit import LayerData, LayerFit, fit_layer, stack_fits
-from .models import AttentionShape
+from .stats import KINDS, StatsAccumulator
 from .store import Run, Store
 
 SUMMARY_KEYS = ("identity", "hadamard", "hadamard_clip", "artifact")
@@ -49,7 +47,10 @@ def check_fit(store: Store, run_ref: str, cfg: FitConfig, model_slug: str | None
         )
     shape = AttentionShape(**run.shape)
     layers = parse_layers(cfg.layers, shape.n_layers)
-    cfg.quant.group_for(shape.head_dim)
+    try:
+        cfg.scheme.group_for(shape.head_dim)
+    except SchemeError as e:
+        raise art.ArtifactError(f"{e}; pick --group for head dim {shape.head_dim}") from None
     return run, layers
 
 
@@ -61,7 +62,7 @@ def run_fit(
     recipe_text: str,
     model_slug: str | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> tuple[Path, dict]:
+) -> tuple[Path, art.Manifest]:
     """Fit every selected layer of a complete run and write a new artifact version. Returns (folder, manifest)."""
     run, layers = check_fit(store, run_ref, cfg, model_slug)
     shape = AttentionShape(**run.shape)
@@ -74,24 +75,17 @@ def run_fit(
         if progress:
             progress(i + 1, len(layers))
     per_layer = {str(layer): f.metrics for layer, f in zip(layers, fits, strict=True)}
-    manifest = {
-        "model_slug": run.model_slug,
-        "model_fingerprint": run.model_fingerprint,
-        "run_id": run.run_id,
-        "stats_digest": run.data_digest,
-        "calibration_tokens": run.tokens,
-        "method": cfg.method,
-        "per_head": cfg.per_head,
-        "layers": layers,
-        "shape": run.shape,
-        "quant": asdict(cfg.quant),
-        "fit": {"fit_clip": cfg.fit_clip, "clip_grid": list(cfg.clip_grid), "layers": cfg.layers},
-        "metrics": {"per_layer": per_layer, "summary": summarize(per_layer)},
-    }
-    path = art.write_artifact(artifacts_root, run.model_slug, stack_fits(layers, fits), manifest, recipe_text)
+    manifest = art.Manifest(
+        model_slug=run.model_slug, model_fingerprint=run.model_fingerprint, run_id=run.run_id,
+        stats_digest=acc.digest(), data_digest=run.data_digest, calibration_tokens=run.tokens, method=cfg.method,
+        per_head=cfg.per_head, layers=tuple(layers), shape=shape, scheme=cfg.scheme.resolved(shape.head_dim),
+        fit_clip=cfg.fit_clip, clip_grid=tuple(cfg.clip_grid),
+        metrics={"per_layer": per_layer, "summary": summarize(per_layer)},
+    )
+    path = art.write_artifact(artifacts_root, manifest, stack_fits(layers, fits), recipe_text)
     manifest = art.load_artifact(path).manifest
     try:
-        store.register_artifact(path, manifest)
+        store.register_artifact(path, manifest.to_dict())
     except BaseException:
         art.remove_artifact(path)
         raise
@@ -118,7 +112,7 @@ def inspect_report(artifact: art.Artifact) -> dict:
     t = artifact.tensors
     layers = []
     for i, layer in enumerate(artifact.layers):
-        fm = m["metrics"]["per_layer"][str(layer)]
+        fm = m.metrics["per_layer"][str(layer)]
         layers.append({
             "layer": layer,
             "spectrum_k": spectrum_summary(t["eig_k"][i].mean(0)),
@@ -132,16 +126,17 @@ def inspect_report(artifact: art.Artifact) -> dict:
     return {
         "artifact": str(artifact.path),
         "name": artifact.name,
-        "method": m["method"],
-        "model_slug": m["model_slug"],
-        "model_fingerprint": m["model_fingerprint"],
-        "run_id": m.get("run_id"),
-        "quant": m["quant"],
-        "per_head": m.get("per_head", False),
-        "content_hash": m["content_hash"],
-        "created": m.get("created"),
+        "method": m.method,
+        "model_slug": m.model_slug,
+        "model_fingerprint": m.model_fingerprint,
+        "run_id": m.run_id,
+        "scheme": m.scheme.to_dict(),
+        "per_head": m.per_head,
+        "content_hash": m.content_hash,
+        "code_version": m.code_version,
+        "created": m.created,
         "layers": layers,
-        "summary": m["metrics"]["summary"],
+        "summary": m.metrics["summary"],
     }
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DEFAULT_MODEL
+from .config import DEFAULT_MODEL, AttentionShape
 from .errors import OscarError
 
 EMBEDDED = {
@@ -73,23 +73,16 @@ class LoadedModel:
         return self.model.config
 
 
-@dataclass(frozen=True)
-class AttentionShape:
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-
-    @property
-    def group(self) -> int:
-        return self.n_heads // self.n_kv_heads
-
-
 def attention_shape(config) -> AttentionShape:
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     return AttentionShape(config.num_hidden_layers, n_heads, n_kv, head_dim)
+
+
+def attention_modules(model) -> dict[int, torch.nn.Module]:
+    """``layer_idx -> self-attention module`` of a transformers decoder (modules with ``layer_idx`` and ``k_proj``)."""
+    return {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")}
 
 
 def slugify(spec: str) -> str:

@@ -227,6 +227,17 @@ def compose(
     return r
 
 
+HADAMARD_SEED = 0
+"""Seed of the random signs of the data-free Hadamard rotation (fixed so that every artifact, eval and report agree)."""
+
+
+def data_free_hadamard(d: int, group: int) -> torch.Tensor:
+    """The data-free baseline rotation ``S · H`` (random signs seeded by :data:`HADAMARD_SEED`, H block-diagonal with
+    blocks of ``group``): float64 ``[d, d]``."""
+    return compose(torch.eye(d, dtype=torch.float64), use_u=False, use_p=False, use_h=True, group=group,
+                   signs_seed=HADAMARD_SEED)
+
+
 def orthogonality_error(r: torch.Tensor) -> float:
     """``max |R^T R - I|`` in float64."""
     r = r.double()

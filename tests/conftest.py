@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-EMBEDDED = "smollm2-135m"
-WORDS = [f"w{i}" for i in range(90)]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers.py (pytest runs with --import-mode=importlib)
+from helpers import EMBEDDED, WordKit, build_llama  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: fail fast instead of retrying the network
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in the interpreter (set before triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -64,33 +66,10 @@ def embedded_artifact(embedded_store, tmp_path_factory) -> Path:
     return next(arts.glob("*/v1"))
 
 
-class WordKit:
-    """A word-level tokenizer over ``w0 .. w89``, a tiny random Llama sized to it, and random text in it."""
-
-    @staticmethod
-    def tokenizer():
-        from tokenizers import Tokenizer, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast
-
-        vocab = {"<unk>": 0, "<pad>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
-
-    @staticmethod
-    def llama(seed=0):
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(seed)
-        cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                          pad_token_id=1, eos_token_id=2, bos_token_id=2)
-        return LlamaForCausalLM(cfg).eval()
-
-    @staticmethod
-    def text(n, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        return " ".join(WORDS[i] for i in torch.randint(0, 90, (n,), generator=g).tolist())
+@pytest.fixture()
+def tiny_llama():
+    """The builder of tiny random Llamas (:func:`build_llama`)."""
+    return build_llama
 
 
 @pytest.fixture()

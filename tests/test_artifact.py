@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from oscar_cli import artifact as art
+from oscar_cli.config import AttentionShape, QuantScheme
 
 
 def _tensors(n=2, h=1, d=8):
@@ -13,14 +14,22 @@ def _tensors(n=2, h=1, d=8):
             "eig_k": torch.rand(n, h, d), "eig_v": torch.rand(n, h, d)}
 
 
-MANIFEST = {"model_slug": "m", "model_fingerprint": "sha256:aa", "method": "oscar",
-            "quant": {"bits": 2, "group": 0, "sink": 4, "recent": 8}}
+def manifest(n=2, h=1, d=8, **kw):
+    base = dict(model_slug="m", model_fingerprint="sha256:aa", run_id=1, stats_digest="sha256:ss",
+                data_digest="sha256:dd", calibration_tokens=1024, method="oscar", per_head=h > 1,
+                layers=tuple(range(n)), shape=AttentionShape(n, 2 * max(h, 1), max(h, 1), d),
+                scheme=QuantScheme(sink=4, recent=8).resolved(d), fit_clip=True, clip_grid=(0.9, 1.0), metrics={})
+    base.update(kw)
+    return art.Manifest(**base)
+
+
+MANIFEST = manifest()
 
 
 def test_write_load_round_trip_and_versions(tmp_path):
     t = _tensors()
-    p1 = art.write_artifact(tmp_path, "m", t, MANIFEST, "fit: {}\n")
-    p2 = art.write_artifact(tmp_path, "m", t, MANIFEST, "fit: {}\n")
+    p1 = art.write_artifact(tmp_path, MANIFEST, t, "fit: {}\n")
+    p2 = art.write_artifact(tmp_path, MANIFEST, t, "fit: {}\n")
     assert (p1.name, p2.name) == ("v1", "v2")
     a = art.load_artifact(p2, expected_fingerprint="sha256:aa")
     assert torch.equal(a.tensors["r_k"], t["r_k"])
@@ -28,10 +37,52 @@ def test_write_load_round_trip_and_versions(tmp_path):
     assert a.layer(5) is None
     assert (p2 / "recipe.yaml").read_text() == "fit: {}\n"
     assert not list(tmp_path.glob("m/.tmp-*"))
+    m = a.manifest
+    assert isinstance(m, art.Manifest) and m.schema_version == art.MANIFEST_SCHEMA
+    assert a.scheme == QuantScheme(group=8, sink=4, recent=8) and m.content_hash.startswith("")
+    assert m.code_version.startswith("0.1.0") and m.created.endswith("Z")
+    assert art.Manifest.from_dict(m.to_dict()) == m
+
+
+def test_version_1_manifests_are_converted(tmp_path):
+    p = art.write_artifact(tmp_path, MANIFEST, _tensors(), "")
+    d = json.loads((p / art.MANIFEST_FILE).read_text())
+    old = {k: v for k, v in d.items() if k not in ("schema_version", "scheme", "data_digest", "stats_digest",
+                                                    "fit_clip", "clip_grid")}
+    old.update(quant={"bits": 2, "group": 0, "sink": 4, "recent": 8}, stats_digest="sha256:dd",
+               fit={"fit_clip": True, "clip_grid": [0.9, 1.0], "layers": "all"})
+    (p / art.MANIFEST_FILE).write_text(json.dumps(old))
+    m = art.load_artifact(p).manifest
+    assert m.scheme == QuantScheme(group=8, sink=4, recent=8) and m.data_digest == "sha256:dd" and m.stats_digest == ""
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: d.pop("scheme"), "missing key 'scheme'"),
+    (lambda d: d.update(schema_version=7), "schema version 7"),
+    (lambda d: d["scheme"].update(bits=3), "bits must be 2 or 4"),
+    (lambda d: d["scheme"].update(group=3), "group 3 must divide"),
+    (lambda d: d.update(layers=[0, 5]), "inconsistent"),
+])
+def test_bad_manifests_are_one_line_errors(tmp_path, edit, needle):
+    p = art.write_artifact(tmp_path, MANIFEST, _tensors(), "")
+    d = json.loads((p / art.MANIFEST_FILE).read_text())
+    edit(d)
+    (p / art.MANIFEST_FILE).write_text(json.dumps(d))
+    with pytest.raises(art.ArtifactError, match=needle) as e:
+        art.load_artifact(p)
+    assert "\n" not in str(e.value)
+
+
+def test_tensors_must_match_the_manifest(tmp_path):
+    with pytest.raises(art.ArtifactError, match="do not match the manifest"):
+        art.write_artifact(tmp_path, manifest(n=3), _tensors(n=2), "")
+    with pytest.raises(art.ArtifactError, match="do not match the manifest"):
+        art.write_artifact(tmp_path, manifest(), _tensors(h=3), "")  # 3 rotations for 1 KV head
+    assert not (tmp_path / "m").exists() or not list((tmp_path / "m").iterdir())
 
 
 def test_tampered_content_is_refused_with_both_hashes(tmp_path):
-    p = art.write_artifact(tmp_path, "m", _tensors(), MANIFEST, "")
+    p = art.write_artifact(tmp_path, MANIFEST, _tensors(), "")
     expected = json.loads((p / "manifest.json").read_text())["content_hash"]
     data = bytearray((p / art.TENSOR_FILE).read_bytes())
     data[-1] ^= 0xFF
@@ -42,7 +93,7 @@ def test_tampered_content_is_refused_with_both_hashes(tmp_path):
 
 
 def test_fingerprint_mismatch_shows_both_values(tmp_path):
-    p = art.write_artifact(tmp_path, "m", _tensors(), MANIFEST, "")
+    p = art.write_artifact(tmp_path, MANIFEST, _tensors(), "")
     with pytest.raises(art.ArtifactError, match="sha256:aa.*sha256:bb"):
         art.load_artifact(p, expected_fingerprint="sha256:bb")
 
@@ -55,7 +106,7 @@ def test_a_failed_write_leaves_no_partial_artifact(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
     with pytest.raises(OSError):
-        art.write_artifact(tmp_path, "m", _tensors(), MANIFEST, "")
+        art.write_artifact(tmp_path, MANIFEST, _tensors(), "")
     assert list((tmp_path / "m").iterdir()) == []
 
 

@@ -4,17 +4,20 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from oscar_cli import attention as attn
-from oscar_cli.methods import Windows, build_layer_quants, get_method, roundtrip
+from oscar_cli.config import QuantScheme
+from oscar_cli.kvquant import build_layer_quants, roundtrip
+from oscar_cli.methods import get_method, scheme_for
 
 
-def tiny_llama(layers=2, seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(cfg).eval()
+def Windows(sink, recent):  # noqa: N802
+    return QuantScheme(sink=sink, recent=recent)
+
+
+def lq_for(name, n_layers, d, h):
+    m = get_method(name)
+    return build_layer_quants(m, scheme_for(m, d), n_layers, d, h)
 
 
 def brute_force(q, k, v, lq, w, first):
@@ -40,7 +43,7 @@ def test_decode_equivalent_matches_brute_force_with_left_padding(name):
     g = torch.Generator().manual_seed(3)
     B, n, d = 2, 40, 16
     q, k, v = (torch.randn(B, h, n, d, generator=g) for h in (4, 2, 2))
-    lq = build_layer_quants(get_method(name), 1, d, 2)[0]
+    lq = lq_for(name, 1, d, 2)[0]
     w = Windows(sink=3, recent=7)
     first = [0, 5]  # row 1 is left-padded by 5
     allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None].repeat(B, 1, 1, 1)
@@ -56,15 +59,15 @@ def test_decode_equivalent_matches_brute_force_with_left_padding(name):
 def test_recent_covering_everything_is_exact():
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, h, 30, 16, generator=g) for h in (4, 2, 2))
-    lq = build_layer_quants(get_method("int2-naive"), 1, 16, 2)[0]
+    lq = lq_for("int2-naive", 1, 16, 2)[0]
     allowed = torch.tril(torch.ones(30, 30, dtype=torch.bool))[None, None]
     out = attn.decode_equivalent(q, k, v, allowed, 0.25, lq, Windows(0, 30))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-6, rtol=1e-5)
 
 
-def test_registered_attention_in_a_model():
-    model = tiny_llama()
+def test_registered_attention_in_a_model(tiny_llama):
+    model = tiny_llama(hidden=64)
     ids = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base = model(ids, use_cache=False).logits
@@ -72,7 +75,7 @@ def test_registered_attention_in_a_model():
         assert model.config._attn_implementation == attn.ATTN_NAME
         same = model(ids, use_cache=False).logits
         torch.testing.assert_close(same, base, atol=1e-5, rtol=1e-4)
-        quants = build_layer_quants(get_method("int2-naive"), 2, 16, 2)
+        quants = lq_for("int2-naive", 2, 16, 2)
         attn.install(model, quants, Windows(4, 8))
         q = model(ids, use_cache=False).logits
     # the first sink+recent positions see only exact keys; later ones do not

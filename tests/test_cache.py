@@ -2,21 +2,25 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from helpers import build_llama
+from transformers import DynamicCache
 
 from oscar_cli import attention as attn
 from oscar_cli.cache import OscarCache, cache_kwarg, make_cache
+from oscar_cli.config import QuantScheme
 from oscar_cli.errors import OscarError
-from oscar_cli.methods import Windows, bits_per_element, build_layer_quants, get_method, quantized_count
+from oscar_cli.kvquant import bits_per_element, build_layer_quants, quantized_count
+from oscar_cli.methods import get_method, scheme_for
 
 D = 32  # head dim of the tiny model
 
 
 def tiny_llama(dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
-    return LlamaForCausalLM(cfg).to(dtype).eval()
+    return build_llama(dtype=dtype, seed=seed, pad_token_id=0)
+
+
+def Windows(sink, recent):  # noqa: N802
+    return QuantScheme(sink=sink, recent=recent)
 
 
 def ids(b, n, seed=0):
@@ -24,7 +28,8 @@ def ids(b, n, seed=0):
 
 
 def quants(name, layers=2):
-    return build_layer_quants(get_method(name), layers, D, 2)
+    m = get_method(name)
+    return build_layer_quants(m, scheme_for(m, D), layers, D, 2)
 
 
 def test_recent_covering_sequence_gives_dynamic_cache_tokens():
@@ -45,14 +50,14 @@ def test_prefill_and_decode_steps_equal_decode_equivalent_attention(name):
     """Prefill through the cache quantizes as a decoder would, and every decode step's attention equals the
     teacher-forced decode-equivalent attention at that position."""
     model = tiny_llama()
-    w = Windows(3, 6)
+    w = scheme_for(get_method(name), D, windows=Windows(3, 6))  # KIVI keeps its own windows (0 / 128)
     q = quants(name)
     prompt, steps = ids(1, 150 if name == "int2-kivi" else 40), 12
     kw = cache_kwarg(model)
     captured = []
     hook = model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(lambda m, a: captured.append(a[0]))
     with torch.no_grad():
-        cache = make_cache(model, get_method(name), q, w.sink, w.recent)
+        cache = make_cache(model, get_method(name), q, w)
         out = model(prompt, **{kw: cache}, use_cache=True)
         logits, seq = [out.logits], prompt
         for _ in range(steps):
@@ -62,7 +67,7 @@ def test_prefill_and_decode_steps_equal_decode_equivalent_attention(name):
         cached = torch.cat(logits, 1)
         cached_attn = torch.cat(captured, 1)
         captured.clear()
-        attn.install(model, q, w if name != "int2-kivi" else Windows(0, 128))
+        attn.install(model, q, w)
         tf = model(seq, use_cache=False).logits
         tf_attn = captured[0]
     hook.remove()
@@ -70,9 +75,8 @@ def test_prefill_and_decode_steps_equal_decode_equivalent_attention(name):
     torch.testing.assert_close(cached, tf[:, : cached.shape[1]], atol=2e-4, rtol=1e-4)
     layer = cache.layers[0]
     block = 32 if name == "int2-kivi" else 1
-    sink = 0 if name == "int2-kivi" else w.sink
-    recent = 128 if name == "int2-kivi" else w.recent
-    nq = quantized_count(seq.shape[1], sink, recent, block)
+    assert (w.sink, w.recent) == ((0, 128) if name == "int2-kivi" else (3, 6))
+    nq = quantized_count(seq.shape[1], w.sink, w.recent, block)
     assert nq > 0 and layer.tail_start - layer.qstart == nq
 
 
@@ -101,12 +105,13 @@ def test_bytes_held_equal_accounting(name):
     m = get_method(name)
     n_prompt, new = 150, 20
     with torch.no_grad():
-        cache = make_cache(model, m, build_layer_quants(m, 2, D, 2), 8, 16)
+        scheme = scheme_for(m, D, windows=Windows(8, 16))
+        cache = make_cache(model, m, build_layer_quants(m, scheme, 2, D, 2), scheme)
         model.generate(ids(1, n_prompt), attention_mask=torch.ones(1, n_prompt, dtype=torch.long),
                        max_new_tokens=new, do_sample=False, **{kw: cache})
     n = n_prompt + new - 1  # the last token is never fed back
     assert cache.get_seq_length() == n
-    expect = bits_per_element(m, n, D, 8, 16, exact_bits=16)
+    expect = bits_per_element(m, scheme, n, D, exact_bits=16)
     assert cache.bits_per_element() == pytest.approx(expect, rel=1e-12)
     dyn_bytes = 2 * 2 * 2 * n * D * 2  # layers * (K, V) * heads * tokens * d * bf16
     assert cache.nbytes() < (0.9 if name == "int2-kivi" else 0.5) * dyn_bytes
@@ -121,4 +126,16 @@ def test_unusable_operations_and_peers_are_clear_errors():
 
     if importlib.util.find_spec("hqq") is None:
         with pytest.raises(OscarError, match="hqq"):
-            make_cache(model, get_method("hf-hqq"), None, 0, 64)
+            make_cache(model, get_method("hf-hqq"), None, Windows(0, 64))
+
+
+def test_cache_refuses_another_attention_implementation():
+    """The cache attends by itself; if the model is switched back to SDPA it must refuse, not attend the tail only."""
+    model = tiny_llama()
+    kw = cache_kwarg(model)
+    cache = make_cache(model, get_method("int2-naive"), quants("int2-naive"), Windows(2, 4))
+    with torch.no_grad():
+        model(ids(1, 12), **{kw: cache}, use_cache=True)
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(OscarError, match="attends with 'sdpa'.*make_cache"):
+            model(ids(1, 1), **{kw: cache}, use_cache=True)

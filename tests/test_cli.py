@@ -43,7 +43,13 @@ def test_collect_fit_inspect_on_a_tiny_model(tmp_path, tiny_store, tiny_model_di
     report = json.loads(r.output)
     assert [x["layer"] for x in report["layers"]] == [0, 1]
     assert all(x["orthogonality_error"] < 1e-5 for x in report["layers"])
-    assert report["quant"] == {"bits": 2, "group": 0, "sink": 4, "recent": 8}
+    assert report["scheme"] == {"bits": 2, "group": 16, "sink": 4, "recent": 8, "scale_dtype": "fp16",
+                                "levels": "uniform"}  # the group resolved to the head dim
+    from oscar_cli.artifact import load_artifact
+
+    m = load_artifact(folder).manifest
+    assert m.stats_digest.startswith("sha256:") and m.stats_digest != m.data_digest
+    assert m.code_version.startswith("0.1.0")
     assert (tmp_path / "p.png").stat().st_size > 10_000
     run = Store(tiny_store).get_run("latest")
     assert (run.status, run.tokens_done, run.batches_done) == ("complete", 1024, 4)

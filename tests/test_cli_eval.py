@@ -81,26 +81,111 @@ def test_oscar_without_artifact_is_a_clear_error(stub_model, tmp_path, kit):
     assert r.exit_code == 1 and "artifact" in r.output
 
 
+def make_artifact(store, tmp_path, *, bits=2, sink=2, recent=8, method="oscar", per_head=False, seed=0):
+    """A fitted-looking artifact for the WordKit llama (2 layers, 2 KV heads, d 32), registered in ``store``."""
+    import torch
+
+    from oscar_cli import artifact as art
+    from oscar_cli.config import AttentionShape, QuantScheme
+    from oscar_cli.store import Store
+
+    g = torch.Generator().manual_seed(seed)
+    h, d = (2 if per_head else 1), 32
+    r = torch.linalg.qr(torch.randn(2, h, d, d, generator=g, dtype=torch.float64))[0].float()
+    tensors = {"layers": torch.arange(2), "r_k": r, "r_v": r.transpose(-1, -2).contiguous(),
+               "clip_k": torch.full((2, h), 0.9), "clip_v": torch.full((2, h), 0.95),
+               "eig_k": torch.rand(2, h, d), "eig_v": torch.rand(2, h, d)}
+    m = art.Manifest(model_slug="tiny", model_fingerprint="sha256:tiny", run_id=None, stats_digest="", data_digest="",
+                     calibration_tokens=0, method=method, per_head=per_head, layers=(0, 1),
+                     shape=AttentionShape(2, 4, 2, d), scheme=QuantScheme(bits=bits, sink=sink, recent=recent).resolved(d),
+                     fit_clip=True, clip_grid=(0.9,), metrics={})
+    path = art.write_artifact(tmp_path / "arts", m, tensors, "")
+    Store(store).register_artifact(path, art.read_manifest(path).to_dict())
+    return path
+
+
+def _eval(tmp_path, *args):
+    return CliRunner().invoke(app, ["eval", "--store", str(tmp_path / "st"), *args])
+
+
+def test_the_artifact_scheme_is_what_runs(stub_model, tmp_path, kit):
+    """A 4-bit artifact evaluates at 4 bits (and is closer to bf16 than the same rotations at 2 bits); data-free
+    baselines take its windows; a --bits override that cannot hold names both values."""
+    data = tmp_path / "t.txt"
+    data.write_text(kit.text(400))
+    v4 = make_artifact(tmp_path / "st", tmp_path, bits=4, sink=2, recent=8)
+    v2 = make_artifact(tmp_path / "st", tmp_path, bits=2, sink=2, recent=8)
+    common = ["--tasks", "oscar_ppl", "--seq-lengths", "128", "--limit", "2", "--data", str(data), "--json"]
+    r = _eval(tmp_path, "--methods", f"bf16,int2-naive,oscar@{v4},oscar@{v2}", *common)
+    assert r.exit_code == 0, r.output
+    rows = {x["method"]: x for x in json.loads(r.stdout)}
+    s4, s2 = rows[f"oscar@{v4}"]["config"]["scheme"], rows[f"oscar@{v2}"]["config"]["scheme"]
+    assert (s4["bits"], s4["group"], s4["sink"], s4["recent"]) == (4, 32, 2, 8) and s2["bits"] == 2
+    assert rows["int2-naive"]["config"]["scheme"]["sink"] == 2  # the baseline runs at the artifact's windows
+    assert rows[f"oscar@{v4}"]["bits_per_element"] == pytest.approx(((128 - 10) * (4 + 1) + 10 * 16) / 128)
+    # and the codes really are 4-bit: the same rotations quantize with ~4x less logit error than at 2 bits
+    import torch
+
+    from oscar_cli import evaluate as ev
+    from oscar_cli.artifact import load_artifact
+    from oscar_cli.methods import get_method, scheme_for
+
+    model, x = kit.llama(), torch.randint(3, 93, (1, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = model(x, use_cache=False).logits
+        errs = []
+        for p in (v4, v2):
+            a = load_artifact(p)
+            ev.prepare(model, get_method("oscar"), scheme_for(get_method("oscar"), 32, artifact_scheme=a.scheme), a)
+            errs.append((model(x, use_cache=False).logits - exact).norm().item())
+    assert errs[0] < 0.4 * errs[1], errs
+    r = _eval(tmp_path, "--methods", f"oscar@{v4}", "--bits", "2", *common)
+    assert r.exit_code == 1 and "4 bits" in r.output and "--bits 2" in r.output
+    assert r.output.strip().count("\n") <= 1
+    r = _eval(tmp_path, "--methods", f"oscar@{v4}", "--group", "12", *common)
+    assert r.exit_code == 1 and "group 12 must divide the head dim 32" in r.output
+    r = _eval(tmp_path, "--methods", f"oscar@{v4}", "--recent", "16", *common)
+    assert r.exit_code == 0 and json.loads(r.stdout)[0]["config"]["overrides"] == {"recent": 16}
+
+
+def test_missed_recipe_thresholds_fail_the_run(stub_model, tmp_path, kit):
+    data = tmp_path / "t.txt"
+    data.write_text(kit.text(400))
+    make_artifact(tmp_path / "st", tmp_path, sink=2, recent=8)
+    recipe = tmp_path / "r.yaml"
+
+    def run(thresholds):
+        recipe.write_text("model: tiny\neval:\n  tasks: [oscar_ppl]\n  methods: [bf16, int2-naive, oscar]\n"
+                          f"  seq_lengths: [64, 128]\n  limit: 1\nthresholds:\n{thresholds}")
+        return _eval(tmp_path, "--recipe", str(recipe), "--data", str(data))
+
+    r = run("  - {method: oscar, task: oscar_ppl, metric: ppl, max_ratio: 1000}\n")
+    assert r.exit_code == 0, r.output
+    assert "all 1 recipe thresholds met" in r.output
+    r = run("  - {method: oscar, task: oscar_ppl, metric: ppl, max_ratio: 0.5}\n"
+            "  - {method: int2-naive, task: oscar_ppl, metric: ppl, seq_len: 64, min: 1.0e+9}\n"
+            "  - {method: bf16, task: oscar_ppl, metric: ppl, max: 1.0e+9}\n")
+    assert r.exit_code == 1
+    missed = [line for line in r.output.splitlines() if line.startswith("threshold missed")]
+    assert len(missed) == 3, r.output  # oscar at both lengths, int2-naive at 64; the bf16 bound holds
+    assert any("oscar oscar_ppl ppl@128" in m and "ratio to bf16" in m and "max_ratio 0.5" in m for m in missed)
+    assert any("int2-naive oscar_ppl ppl@64" in m and "min 1e+09" in m for m in missed)
+    from oscar_cli.store import Store
+
+    assert len(Store(tmp_path / "st").list_evals()) == 12  # the rows are stored even when thresholds fail
+
+
 def test_fit_method_refs_pick_the_newest_matching_artifact(tmp_path):
+    from oscar_cli import evaluate as ev
     from oscar_cli.errors import OscarError
+    from oscar_cli.store import Store
 
-    arts = []
+    st = tmp_path / "st"
     for i, (method, per_head) in enumerate([("kcov", True), ("kcov", False), ("kcov", True), ("oscar", False)]):
-        p = tmp_path / f"v{i + 1}"
-        p.mkdir()
-        (p / "manifest.json").write_text(json.dumps({"method": method, "per_head": per_head}))
-        arts.append({"method": method, "path": str(p)})
-
-    class FakeStore:
-        def list_artifacts(self, slug):
-            return arts
-
-        def resolve_artifact(self, ref, slug):
-            return tmp_path / ref
-
-    st = FakeStore()
-    assert eval_cli._resolve_ref(st, "fit:kcov+per-head", "m").name == "v3"
-    assert eval_cli._resolve_ref(st, "fit:kcov", "m").name == "v2"
-    assert eval_cli._resolve_ref(st, "v1", "m").name == "v1"
+        make_artifact(st, tmp_path, method=method, per_head=per_head, seed=i)
+    store = Store(st)
+    assert ev.resolve_artifact_ref(store, "fit:kcov+per-head", "tiny").name == "v3"
+    assert ev.resolve_artifact_ref(store, "fit:kcov", "tiny").name == "v2"
+    assert ev.resolve_artifact_ref(store, "v1", "tiny").name == "v1"
     with pytest.raises(OscarError, match="oscar fit --method kcov-uh"):
-        eval_cli._resolve_ref(st, "fit:kcov-uh", "m")
+        ev.resolve_artifact_ref(store, "fit:kcov-uh", "tiny")

@@ -1,8 +1,9 @@
 import numpy as np
 import torch
 
-from oscar_cli.collect import KINDS, Reservoir, StatsAccumulator
-from oscar_cli.models import AttentionShape
+from oscar_cli.collect import Reservoir
+from oscar_cli.config import AttentionShape
+from oscar_cli.stats import KINDS, StatsAccumulator
 
 SHAPE = AttentionShape(n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8)
 

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from oscar_cli.config import ConfigError, FitConfig, QuantConfig, load_recipe, parse_layers
+from oscar_cli.config import FIT_METHODS, ConfigError, EvalConfig, FitConfig, QuantScheme, load_recipe, parse_layers
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -16,29 +16,79 @@ def test_parse_layers():
         parse_layers("a-b", 10)
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("*.yaml")))
-def test_shipped_recipes_load(name):
-    r = load_recipe(RECIPES / name)
-    assert r.collect.tokens > 0 and r.fit.method
+def test_shipped_recipes_mean_what_they_say():
+    """Each shipped recipe parses into the settings its comments promise (not just "it loads")."""
+    smol = load_recipe(RECIPES / "smollm2-135m.yaml")
+    assert smol.model == "smollm2-135m"
+    assert (smol.collect.tokens, smol.collect.seq_len, smol.collect.batch_size) == (16384, 512, 4)
+    assert smol.fit.method == "oscar" and smol.fit.per_head
+    assert smol.fit.scheme == QuantScheme(bits=2, group=0, sink=16, recent=64)
+    assert smol.eval.methods == ("bf16", "int2-naive", "int2-hadamard", "oscar") and smol.eval.seq_lengths == (1024,)
+    assert [(t.method, t.bound, t.value, t.baseline) for t in smol.thresholds] == [
+        ("oscar", "max_ratio", 1.15, "bf16"), ("oscar", "max_ratio", 0.80, "int2-hadamard")]
+    qwen = load_recipe(RECIPES / "qwen3-8b.yaml")
+    assert qwen.fit.scheme.resolved(128).bits_per_element(128) == 2.25
+    assert (qwen.fit.scheme.sink, qwen.fit.scheme.recent) == (64, 256) and qwen.thresholds == ()
+    abl = load_recipe(RECIPES / "ablation.yaml")
+    assert len(abl.eval.methods) == 16 and abl.eval.overrides == {"sink": 16, "recent": 64}
+    assert all(m.split("@")[0] in ("bf16", "int2-naive", "int2-kivi", "int2-hadamard", "int2-hadamard-clip", "oscar",
+                                   "oscar-noclip") for m in abl.eval.methods)
+    assert {m.split("@fit:")[1].split("+")[0] for m in abl.eval.methods if "@fit:" in m} <= set(FIT_METHODS)
 
 
 def test_unknown_keys_are_errors(tmp_path):
     p = tmp_path / "r.yaml"
-    p.write_text("fit:\n  methd: oscar\n")
-    with pytest.raises(ConfigError, match="unknown key.*methd"):
+    for text, needle in [("fit:\n  methd: oscar\n", "unknown key.*methd"),
+                         ("fit:\n  scheme:\n    bitz: 2\n", "unknown key.*bitz"),
+                         ("colect: {}\n", "unknown section"),
+                         ("eval:\n  methods: [bf16]\n  ablation: true\n", "unknown key.*ablation"),
+                         ("fit:\n  scheme:\n    bits: 3\n", "bits must be 2 or 4")]:
+        p.write_text(text)
+        with pytest.raises(ConfigError, match=needle):
+            load_recipe(p)
+
+
+@pytest.mark.parametrize("thresholds,needle", [
+    ("- {method: int4-naive, task: oscar_ppl, metric: ppl, max: 10}", "does not run"),
+    ("- {method: oscar, task: ruler, metric: ppl, max: 10}", "task 'ruler'"),
+    ("- {method: oscar, task: oscar_ppl, metric: ppl}", "exactly one of"),
+    ("- {method: oscar, task: oscar_ppl, metric: ppl, max: 1, min: 0}", "exactly one of"),
+    ("- {method: oscar, task: oscar_ppl, metric: ppl, max_ratio: 1.1, baseline: int2-kivi}", "compares with"),
+    ("- {method: oscar, task: oscar_ppl, metric: ppl, max: 9, baseline: bf16}", "absolute bound"),
+    ("- {method: oscar, task: oscar_ppl, metric: ppl, seq_len: 4096, max: 9}", "seq_len 4096"),
+    ("- {method: oscar, task: oscar_ppl, metric: ppl, maximum: 9}", "unknown key.*maximum"),
+    ("{oscar_ppl_max_ratio_to_bf16: 1.5}", "must be a list"),
+])
+def test_thresholds_must_be_checkable(tmp_path, thresholds, needle):
+    """Unused keys are errors: a threshold about a method, task or length the eval does not run is refused."""
+    p = tmp_path / "r.yaml"
+    p.write_text("eval:\n  tasks: [oscar_ppl]\n  methods: [bf16, int2-hadamard, oscar]\n  seq_lengths: [1024]\n"
+                 f"thresholds:\n  {thresholds}\n")
+    with pytest.raises(ConfigError, match=needle):
         load_recipe(p)
-    p.write_text("fit:\n  quant:\n    bitz: 2\n")
-    with pytest.raises(ConfigError, match="unknown key.*bitz"):
-        load_recipe(p)
-    p.write_text("colect: {}\n")
-    with pytest.raises(ConfigError, match="unknown section"):
+
+
+def test_thresholds_on_expanded_tasks_and_their_bounds(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("eval:\n  tasks: [ruler]\n  methods: [bf16, oscar]\n  seq_lengths: [4096]\n  sink: 16\n"
+                 "thresholds:\n  - {method: oscar, task: niah_single_1, metric: '4096', min: 0.5}\n"
+                 "  - {method: oscar, task: niah_single_1, metric: '4096', min_ratio: 0.75}\n")
+    r = load_recipe(p)
+    lo, rel = r.thresholds
+    assert lo.holds(0.5, None) and not lo.holds(0.45, None)
+    assert rel.holds(0.8, 1.0) and not rel.holds(0.7, 1.0)
+    assert r.eval.overrides == {"sink": 16}
+    p.write_text("thresholds:\n  - {method: oscar, task: oscar_ppl, metric: ppl, max: 9}\n")
+    with pytest.raises(ConfigError, match="no eval section"):
         load_recipe(p)
 
 
 def test_bad_values():
-    with pytest.raises(ConfigError, match="unknown method"):
+    with pytest.raises(ConfigError, match="unknown fit method"):
         FitConfig(method="nope")
-    with pytest.raises(ConfigError, match="bits"):
-        QuantConfig(bits=3)
-    with pytest.raises(ConfigError, match="must divide"):
-        QuantConfig(group=48).group_for(64)
+    with pytest.raises(ConfigError, match="--limit"):
+        EvalConfig(limit=0)
+    with pytest.raises(ConfigError, match="cannot override 'levels'"):
+        EvalConfig(scheme_overrides=(("levels", 1),))
+    with pytest.raises(ConfigError, match="--seq-lengths"):
+        EvalConfig(seq_lengths=(1,))

@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from oscar_cli import evaluate as ev
-from oscar_cli.methods import bits_per_element, get_method
+from oscar_cli.config import QuantScheme, expand_tasks
+from oscar_cli.kvquant import bits_per_element
+from oscar_cli.methods import get_method, scheme_for
+
+
+def prep(model, name, sink, recent, artifact=None):
+    m = get_method(name)
+    scheme = scheme_for(m, ev.head_dim_of(model.config), windows=QuantScheme(sink=sink, recent=recent),
+                        artifact_scheme=None if artifact is None else artifact.scheme)
+    return ev.prepare(model, m, scheme, artifact)
 
 
 def test_perplexity_bf16_matches_cross_entropy_and_quantization_hurts(kit):
@@ -14,14 +23,14 @@ def test_perplexity_bf16_matches_cross_entropy_and_quantization_hurts(kit):
     ids = ev.token_ids(tok, kit.text(300))
     wins = ev.windows_of(ids, 96, 3)
     assert wins.shape == (3, 96)
-    p_bf16 = ev.perplexity(model, wins, ev.prepare(model, get_method("bf16"), 4, 8))
+    p_bf16 = ev.perplexity(model, wins, prep(model, "bf16", 4, 8))
     with torch.no_grad():
         logits = model(wins).logits[:, :-1]
     ref = math.exp(torch.nn.functional.cross_entropy(logits.reshape(-1, 96), wins[:, 1:].reshape(-1)).item())
     assert p_bf16 == pytest.approx(ref, rel=1e-5)
-    p_full_recent = ev.perplexity(model, wins, ev.prepare(model, get_method("int2-naive"), 4, 96))
+    p_full_recent = ev.perplexity(model, wins, prep(model, "int2-naive", 4, 96))
     assert p_full_recent == pytest.approx(p_bf16, rel=1e-5)
-    p_naive = ev.perplexity(model, wins, ev.prepare(model, get_method("int2-naive"), 4, 8))
+    p_naive = ev.perplexity(model, wins, prep(model, "int2-naive", 4, 8))
     assert p_naive != pytest.approx(p_bf16, rel=1e-4)
 
 
@@ -29,15 +38,17 @@ def test_windows_error_and_element_bits(kit):
     model = kit.llama()
     with pytest.raises(ev.EvalError, match="fewer than one window"):
         ev.windows_of(torch.arange(10), 64, None)
-    prep = ev.prepare(model, get_method("int2-hadamard"), 16, 64)
-    assert ev.element_bits(prep, model, 1024) == pytest.approx(bits_per_element(get_method("int2-hadamard"), 1024, 32,
-                                                                                16, 64))
-    assert ev.element_bits(ev.prepare(model, get_method("bf16"), 16, 64), model, 1024) == 16
+    p = prep(model, "int2-hadamard", 16, 64)
+    assert ev.element_bits(p, model, 1024) == pytest.approx(bits_per_element(get_method("int2-hadamard"), p.scheme,
+                                                                             1024, 32))
+    assert p.scheme == QuantScheme(sink=16, recent=64, group=32)
+    assert ev.element_bits(prep(model, "bf16", 16, 64), model, 1024) == 16
 
 
 def test_expand_tasks_maps_offline_names():
-    assert ev.expand_tasks(["ruler"]) == ["oscar_ruler_niah_single_1"]
-    assert ev.expand_tasks(["niah_multikey_2", "oscar_niah", "hellaswag"]) == [
+    assert expand_tasks(["ruler", "oscar_ppl", "ruler"]) == ["niah_single_1", "oscar_ppl"]
+    assert ev.lm_task_names(expand_tasks(["ruler"])) == ["oscar_ruler_niah_single_1"]
+    assert ev.lm_task_names(["niah_multikey_2", "oscar_niah", "hellaswag"]) == [
         "oscar_ruler_niah_multikey_2", "oscar_niah", "hellaswag"]
 
 
@@ -101,7 +112,7 @@ def test_embedded_default_ordering_on_heldout_text(embedded_store, embedded_arti
     lm = load_model("smollm2-135m", embedded_store)
     art = load_artifact(embedded_artifact, lm.fingerprint)
     wins = ev.windows_of(ev.token_ids(lm.tokenizer, heldout_text()), 1024, 1)
-    ppl = {m: ev.perplexity(lm.model, wins, ev.prepare(lm.model, get_method(m), 16, 64, art if m == "oscar" else None))
+    ppl = {m: ev.perplexity(lm.model, wins, prep(lm.model, m, 16, 64, art if m == "oscar" else None))
            for m in ["bf16", "oscar", "int2-hadamard-clip", "int2-hadamard", "int2-naive"]}
     assert ppl["bf16"] < ppl["oscar"] < ppl["int2-hadamard-clip"] < ppl["int2-hadamard"] < ppl["int2-naive"], ppl
 
@@ -130,6 +141,7 @@ def test_embedded_default_ruler_through_lm_eval(embedded_store):
     TOKENIZERS["embedded"] = lm.tokenizer
     olm = ev.oscar_lm_class()(pretrained=lm.model, tokenizer=lm.tokenizer, method="int2-hadamard-clip", sink=16,
                               recent=64, batch_size=1, max_length=1280, device="cpu")
-    res = ev.run_lm_eval(olm, ev.expand_tasks(["ruler"]), 1, {"tokenizer": "embedded", "max_seq_lengths": [1024]})
+    res = ev.run_lm_eval(olm, ev.lm_task_names(expand_tasks(["ruler"])), 1,
+                         {"tokenizer": "embedded", "max_seq_lengths": [1024]})
     r = res["oscar_ruler_niah_single_1"]
     assert r["sample_len"] == 1 and r["1024"] in (0.0, 1.0)

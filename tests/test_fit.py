@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from oscar_cli.config import FIT_METHODS, FitConfig, QuantConfig
+from oscar_cli.config import FIT_METHODS, FitConfig, QuantScheme
 from oscar_cli.fit import LayerData, fit_layer, key_distortion, value_distortion
 from oscar_cli.rotation import orthogonality_error
 
@@ -9,7 +9,9 @@ from oscar_cli.rotation import orthogonality_error
 def _layer(n=512, H=2, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     scales = torch.logspace(1, -1, d)
-    k = torch.distributions.StudentT(3.0).sample((n, H, d)) * scales  # heavy tails: clipping pays
+    # Student-t with 3 degrees of freedom (heavy tails: clipping pays), drawn from the seeded generator
+    chi2 = torch.randn(3, n, H, d, generator=g).square().sum(0)
+    k = torch.randn(n, H, d, generator=g) / (chi2 / 3).sqrt() * scales
     v = torch.randn(n, H, d, generator=g) * scales.flip(0)
     q = torch.randn(4 * n, H, d, generator=g) * torch.linspace(0.1, 2, d)
     def cov(x):
@@ -22,7 +24,7 @@ def _layer(n=512, H=2, d=16, seed=0):
 @pytest.mark.parametrize("per_head", [False, True])
 def test_every_method_gives_orthogonal_rotations(method, per_head):
     data = _layer()
-    f = fit_layer(data, FitConfig(method=method, per_head=per_head, quant=QuantConfig(sink=0, recent=0)), 16)
+    f = fit_layer(data, FitConfig(method=method, per_head=per_head, scheme=QuantScheme(sink=0, recent=0)), 16)
     assert f.r_k.shape == f.r_v.shape == ((2 if per_head else 1), 16, 16)
     for r in (*f.r_k, *f.r_v):
         assert orthogonality_error(r.float()) < 1e-5

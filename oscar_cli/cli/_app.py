@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ..config import DEFAULT_ARTIFACTS, DEFAULT_MODEL, DEFAULT_STORE
+from ..config import DEFAULT_ARTIFACTS, DEFAULT_MODEL, DEFAULT_STORE, SchemeError
 from ..errors import OscarError
 
 app = typer.Typer(
@@ -50,8 +50,11 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def guarded(fn):
-    """Turn OscarError (and interrupts) into a one-line message and a non-zero exit."""
+def guarded(fn=None, *, interrupted: str = "interrupted; nothing was written"):
+    """Turn OscarError (and scheme errors) into a one-line message and exit 1; Ctrl-C prints ``interrupted`` (what
+    the command kept) and exits 130. Use as ``@guarded`` or ``@guarded(interrupted="...")``."""
+    if fn is None:
+        return functools.partial(guarded, interrupted=interrupted)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -59,12 +62,12 @@ def guarded(fn):
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
-        except OscarError as e:
+        except (OscarError, SchemeError) as e:
             if os.environ.get("OSCAR_DEBUG") == "1":
                 raise
             raise fail(str(e)) from None
         except KeyboardInterrupt:
-            console.print("interrupted; the store keeps every completed batch (resume with --resume)")
+            console.print(interrupted)
             sys.exit(130)
 
     return wrapper

@@ -11,7 +11,7 @@ from ._progress import token_progress
 
 
 @app.command("collect")
-@guarded
+@guarded(interrupted="interrupted; the store keeps every completed batch (continue with --resume)")
 def collect(
     model: ModelOpt = DEFAULTS["model"],
     data: Annotated[str | None, typer.Option(help="builtin:pydoc, a .txt file, or a .jsonl file (one text per line).")] = None,

@@ -6,28 +6,34 @@ from typing import Annotated
 
 import typer
 
+from ..config import FIT_METHODS
 from ._app import DEFAULTS, ArtifactsOpt, JsonOpt, RecipeOpt, StoreOpt, app, guarded, out
 from ._progress import step_progress
 
+METHOD_HELP = "; ".join(f"{m.name}: {m.help}" for m in FIT_METHODS.values())
+
 
 @app.command("fit")
-@guarded
+@guarded(interrupted="interrupted; no artifact was written")
 def fit(
     run: Annotated[str, typer.Option("--run", help="Run id or 'latest' (newest complete run).")] = "latest",
     layers: Annotated[str | None, typer.Option(help="'all' or a list like 0-5,9; other layers stay BF16.")] = None,
-    method: Annotated[str | None, typer.Option(help="oscar, oscar-uh, oscar-u, oscar-out, kcov, kcov-uh, kcov-u, hadamard, identity.")] = None,
+    method: Annotated[str | None, typer.Option(help=f"Rotation method. {METHOD_HELP}. [oscar]")] = None,
     per_head: Annotated[bool | None, typer.Option("--per-head/--shared", help="One rotation per KV head instead of one per layer.")] = None,
     fit_clip: Annotated[bool | None, typer.Option("--fit-clip/--no-clip", help="Fit clip ratios on held-out rows (else plain min/max).")] = None,
-    bits: Annotated[int | None, typer.Option(help="Code width: 2 or 4.")] = None,
+    bits: Annotated[int | None, typer.Option(help="Code width the clip ratios are fitted for: 2 or 4 (the scheme's; "
+                                              "the artifact records it and runs at it).")] = None,
     group: Annotated[int | None, typer.Option(help="Elements per scale/zero group (0 = one group per head row).")] = None,
-    sink: Annotated[int | None, typer.Option(help="Leading tokens kept in BF16.")] = None,
-    recent: Annotated[int | None, typer.Option(help="Most recent tokens kept in BF16.")] = None,
+    sink: Annotated[int | None, typer.Option(help="Leading tokens kept in BF16 (recorded in the artifact's scheme).")] = None,
+    recent: Annotated[int | None, typer.Option(help="Most recent tokens kept in BF16 (recorded in the scheme).")] = None,
     recipe: RecipeOpt = None,
     store: StoreOpt = DEFAULTS["store"],
     artifacts: ArtifactsOpt = DEFAULTS["artifacts"],
     json_out: JsonOpt = False,
 ) -> None:
     """Fit R = U·P·H per layer (and clip ratios) from a calibration run and write artifacts/<model>/v<N>/.
+
+    The artifact's manifest records the quant scheme (bits, group, sink, recent): eval, the cache and serve run it.
 
     Example: oscar fit --run latest --layers all --method oscar --group 0 --sink 64 --recent 256
     """
@@ -40,21 +46,22 @@ def fit(
 
     rec = load_recipe(recipe) if recipe else None
     base = rec.fit if rec else FitConfig()
-    quant = dataclasses.replace(base.quant, **{k: v for k, v in dict(bits=bits, group=group, sink=sink,
-                                                                     recent=recent).items() if v is not None})
+    scheme = dataclasses.replace(base.scheme, **{k: v for k, v in dict(bits=bits, group=group, sink=sink,
+                                                                       recent=recent).items() if v is not None})
     overrides = {k: v for k, v in dict(layers=layers, method=method, per_head=per_head,
                                        fit_clip=fit_clip).items() if v is not None}
-    cfg = dataclasses.replace(base, quant=quant, **overrides)
+    cfg = dataclasses.replace(base, scheme=scheme, **overrides)
     recipe_text = rec.source if rec else _recipe_yaml(cfg)
     st = Store(store, create=False)
     check_fit(st, run, cfg)
     with step_progress("fit layers") as update:
         path, manifest = run_fit(st, run, cfg, artifacts, recipe_text, progress=update)
     if json_out:
-        out.print_json(json.dumps({"artifact": str(path), "manifest": manifest}))
+        out.print_json(json.dumps({"artifact": str(path), "manifest": manifest.to_dict()}))
         return
-    s = manifest["metrics"]["summary"]
-    out.print(f"wrote {path} ({manifest['method']}, {len(manifest['layers'])} layers, run {manifest['run_id']})")
+    s = manifest.metrics["summary"]
+    out.print(f"wrote {path} ({manifest.method}, {manifest.scheme.describe()}, {len(manifest.layers)} layers, "
+              f"run {manifest.run_id})")
     for kv, label in (("distortion_k", "keys"), ("distortion_v", "values")):
         m, wins = s[kv]["mean"], s[kv]["artifact_better_layers"]
         out.print(f"  {label}: held-out distortion {m['artifact']:.4f} vs hadamard {m['hadamard']:.4f} "
@@ -70,4 +77,5 @@ def _recipe_yaml(cfg) -> str:
 
     fit = dataclasses.asdict(cfg)
     fit["clip_grid"] = list(cfg.clip_grid)
+    fit["scheme"] = cfg.scheme.to_dict()
     return yaml.safe_dump({"fit": fit}, sort_keys=False)

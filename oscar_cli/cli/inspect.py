@@ -39,8 +39,8 @@ def inspect(
     if json_out:
         out.print_json(json.dumps(report))
         return
-    q = report["quant"]
-    out.print(f"[bold]{report['name']}[/] method={report['method']} bits={q['bits']} group={q['group'] or 'row'} "
+    q = report["scheme"]
+    out.print(f"[bold]{report['name']}[/] method={report['method']} bits={q['bits']} group={q['group']} "
               f"sink={q['sink']} recent={q['recent']} per_head={report['per_head']} run={report['run_id']}")
     out.print(f"model {report['model_slug']} {report['model_fingerprint']}  content {report['content_hash'][:16]}")
     rt = Table(title="rotations")

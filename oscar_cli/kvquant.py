@@ -1,0 +1,152 @@
+"""Per-layer quantizers for a method at a scheme, the rotate + quantize seam, and the storage accounting.
+
+:func:`build_layer_quants` turns a :class:`~oscar_cli.methods.Method` and the
+:class:`~oscar_kernels.scheme.QuantScheme` it runs with into one :class:`LayerQuant` per model layer (the tensors:
+rotations, clip ratios, bits, grouping) or ``None`` for a layer kept exact. :func:`quantize_rows` /
+:func:`dequantize_rows` are the torch reference of what the kernels in ``oscar_kernels`` do.
+
+Storage accounting (:func:`bits_per_element`): every K or V element costs its code plus its share of the fp16
+scale and zero, exact (sink, recent, unquantized layer) elements cost the exact dtype; the result equals the bytes
+an :class:`oscar_cli.cache.OscarCache` actually holds × 8 / elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import quantizer
+from .config import QuantScheme
+from .methods import KIVI_GROUP, Method, MethodError
+
+
+@dataclass(frozen=True)
+class LayerQuant:
+    """How one layer's K/V rows are stored. ``r_k``/``r_v``: fp32 ``[h, d, d]`` (h = 1 or kv heads) or None for no
+    rotation; ``clip_k``/``clip_v``: fp32 ``[h]``; ``token_block``: tokens quantized together (32 for per-channel
+    keys, else 1) — the quantized region always grows by whole blocks."""
+
+    bits: int
+    group: int
+    r_k: torch.Tensor | None
+    r_v: torch.Tensor | None
+    clip_k: torch.Tensor
+    clip_v: torch.Tensor
+    key_axis: str = "token"
+    key_group: int = 0
+
+    @property
+    def token_block(self) -> int:
+        return self.key_group if self.key_axis == "channel" else 1
+
+    def to(self, device: torch.device | str) -> LayerQuant:
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, r_k=mv(self.r_k), r_v=mv(self.r_v), clip_k=mv(self.clip_k), clip_v=mv(self.clip_v))
+
+
+def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_dim: int, kv_heads: int,
+                       artifact=None) -> list[LayerQuant | None]:
+    """One :class:`LayerQuant` per model layer (None = exact) for ``method`` at ``scheme`` (see
+    :func:`oscar_cli.methods.scheme_for`). ``artifact``: an :class:`oscar_cli.artifact.Artifact` for artifact methods;
+    its layers not listed stay exact, its head count must be 1 or ``kv_heads``."""
+    from .rotation import data_free_hadamard
+
+    if method.family == "exact":
+        return [None] * n_layers
+    if method.family == "hf":
+        raise MethodError(f"{method.name} is a transformers QuantizedCache; it has no decode-equivalent attention")
+    group = scheme.group_for(head_dim)
+    one = torch.ones(1)
+    if method.rotation == "none":
+        base = LayerQuant(scheme.bits, group, None, None, one * method.clip[0], one * method.clip[1],
+                          method.key_axis, KIVI_GROUP if method.key_axis == "channel" else 0)
+        return [base] * n_layers
+    if method.rotation == "hadamard":
+        h = data_free_hadamard(head_dim, group).float()[None]
+        base = LayerQuant(scheme.bits, group, h, h, one * method.clip[0], one * method.clip[1])
+        return [base] * n_layers
+    if artifact is None:
+        raise MethodError(f"{method.label} needs an artifact: pass --artifact latest|vN|PATH or {method.name}@REF")
+    shape = artifact.manifest.shape
+    if shape.head_dim != head_dim or artifact.heads not in (1, kv_heads) or shape.n_layers != n_layers:
+        raise MethodError(
+            f"artifact {artifact.name} was fitted for {shape.n_layers} layers of {shape.n_kv_heads} KV heads x dim "
+            f"{shape.head_dim}, but the model has {n_layers} x {kv_heads} x {head_dim}; fit an artifact for this model"
+        )
+    out: list[LayerQuant | None] = []
+    for i in range(n_layers):
+        lr = artifact.layer(i)
+        if lr is None:
+            out.append(None)
+            continue
+        h = lr.r_k.shape[0]
+        if method.clip is None:
+            ck, cv = lr.clip_k.float(), lr.clip_v.float()
+        else:
+            ck, cv = torch.full((h,), method.clip[0]), torch.full((h,), method.clip[1])
+        out.append(LayerQuant(scheme.bits, group, lr.r_k.float(), lr.r_v.float(), ck, cv))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The seam: rotate + quantize + pack rows, and the inverse (the torch reference of oscar_kernels.quantize_pack).
+
+
+def quantize_rows(x: torch.Tensor, lq: LayerQuant, which: str) -> quantizer.QuantizedRows:
+    """Rotate, clip, quantize and pack rows. x: float ``[B, H, N, d]`` in the model basis (``N`` a multiple of
+    ``lq.token_block`` for per-channel keys). Returns packed rows in the rotated basis: codes uint8
+    ``[B, H, N, d*bits/8]`` (per-channel keys: ``[B, H, N/32, d, 32*bits/8]``), fp16 scale/zero per group."""
+    r, clip = (lq.r_k, lq.clip_k) if which == "k" else (lq.r_v, lq.clip_v)
+    xf = x.float()
+    if r is not None:
+        xf = xf @ r.to(xf.device)
+    if which == "k" and lq.key_axis == "channel":
+        b, h, n, d = xf.shape
+        xf = xf.view(b, h, n // lq.key_group, lq.key_group, d).transpose(-1, -2)  # [B, H, nb, d, 32]
+        return quantizer.quantize(xf, clip.to(xf.device).view(-1, 1, 1, 1), lq.bits, lq.key_group)
+    return quantizer.quantize(xf, clip.to(xf.device).view(-1, 1, 1), lq.bits, lq.group)
+
+
+def dequantize_rows(q: quantizer.QuantizedRows, lq: LayerQuant, which: str) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows`: fp32 ``[B, H, N, d]`` rotated back to the model basis."""
+    x = quantizer.dequantize(q)
+    if which == "k" and lq.key_axis == "channel":
+        x = x.transpose(-1, -2).flatten(-3, -2)
+    r = lq.r_k if which == "k" else lq.r_v
+    if r is not None:
+        x = x @ r.to(x.device).transpose(-1, -2)
+    return x
+
+
+def roundtrip(x: torch.Tensor, lq: LayerQuant, which: str) -> torch.Tensor:
+    """What a decoder reads back for rows ``x [B, H, N, d]``: fp32, model basis."""
+    return dequantize_rows(quantize_rows(x, lq, which), lq, which)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Accounting
+
+
+def quantized_count(n: int, start: int, recent: int, block: int) -> int:
+    """Tokens ``[start, start + count)`` held quantized when a row has ``n`` tokens: everything between the exact
+    head and the last ``recent`` tokens, in whole blocks of ``block`` tokens."""
+    return max(0, (n - recent - start) // block * block)
+
+
+def bits_per_element(method: Method, scheme: QuantScheme, seq_len: int, head_dim: int,
+                     layers_quantized: int | None = None, n_layers: int = 1, exact_bits: int = 16) -> float:
+    """Average storage bits of one K/V element for a sequence of ``seq_len`` tokens (no padding).
+
+    Quantized elements cost ``bits + 32 / group`` (fp16 scale and zero per group), exact ones ``exact_bits``; layers
+    not quantized (``n_layers - layers_quantized``) are exact. Equals ``OscarCache.nbytes() * 8 / elements``.
+    """
+    if method.family == "exact":
+        return float(exact_bits)
+    start = min(scheme.sink, seq_len)
+    block = KIVI_GROUP if method.key_axis == "channel" else 1
+    nq = quantized_count(seq_len, start, scheme.recent, block)
+    q_bits = quantizer.bits_per_element(scheme.bits, scheme.group_for(head_dim))
+    per_layer = (nq * q_bits + (seq_len - nq) * exact_bits) / seq_len
+    lq = n_layers if layers_quantized is None else layers_quantized
+    return (lq * per_layer + (n_layers - lq) * exact_bits) / n_layers
