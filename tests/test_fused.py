@@ -6,7 +6,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from oscar_cli import fused
 from oscar_cli.cache import cache_kwarg, make_cache
-from oscar_cli.methods import LayerQuant, build_layer_quants, get_method
+from oscar_cli.config import QuantScheme
+from oscar_cli.kvquant import LayerQuant, build_layer_quants
+from oscar_cli.methods import get_method, scheme_for
 
 
 def tiny_llama():
@@ -38,7 +40,7 @@ def run(model, quants, x, mask, steps, use_kernels, monkeypatch):
 
     monkeypatch.setattr(fused, "decode", counted)
     kw = cache_kwarg(model)
-    cache = make_cache(model, get_method("oscar"), quants, 3, 5)
+    cache = make_cache(model, get_method("oscar"), quants, QuantScheme(sink=3, recent=5))
     with torch.no_grad():
         logits = [model(x, attention_mask=mask, **{kw: cache}, use_cache=True).logits[:, -1]]
         seq, m = x, mask
@@ -52,7 +54,8 @@ def run(model, quants, x, mask, steps, use_kernels, monkeypatch):
 @pytest.mark.parametrize("kind", ["per-head", "hadamard"])
 def test_kernel_decode_steps_match_the_reference_path(kind, monkeypatch):
     model = tiny_llama()
-    quants = per_head_quants() if kind == "per-head" else build_layer_quants(get_method("int2-hadamard"), 2, 32, 2)
+    had = get_method("int2-hadamard")
+    quants = per_head_quants() if kind == "per-head" else build_layer_quants(had, scheme_for(had, 32), 2, 32, 2)
     x = torch.randint(1, 96, (2, 24), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(x)
     mask[1, :5] = 0  # left padding in row 1
@@ -69,9 +72,12 @@ def test_kernel_decode_steps_match_the_reference_path(kind, monkeypatch):
 def test_layouts_the_kernels_do_not_cover_stay_on_the_reference(monkeypatch):
     monkeypatch.setattr(fused, "FORCE", True)
     model = tiny_llama()
-    kivi = build_layer_quants(get_method("int2-kivi"), 2, 32, 2)
-    layer = make_cache(model, get_method("int2-kivi"), kivi, 3, 5).layers[0]
+    w = QuantScheme(sink=3, recent=5)
+    kv = get_method("int2-kivi")
+    kivi = build_layer_quants(kv, scheme_for(kv, 32, windows=w), 2, 32, 2)
+    layer = make_cache(model, kv, kivi, scheme_for(kv, 32, windows=w)).layers[0]
     assert not fused.usable(layer, torch.zeros(1, 4, 1, 32))
-    four = build_layer_quants(get_method("int4-hadamard"), 2, 32, 2)
-    layer = make_cache(model, get_method("int4-hadamard"), four, 3, 5).layers[0]
+    h4 = get_method("int4-hadamard")
+    four = build_layer_quants(h4, scheme_for(h4, 32, windows=w), 2, 32, 2)
+    layer = make_cache(model, h4, four, scheme_for(h4, 32, windows=w)).layers[0]
     assert not fused.usable(layer, torch.zeros(1, 4, 1, 32))
