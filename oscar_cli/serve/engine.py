@@ -13,8 +13,8 @@ the part that is final is emitted: stop strings cut the text before them, and th
 characters (or an incomplete UTF-8 character) are held back until they cannot start a stop string, so streamed
 deltas always concatenate to the non-streamed text.
 
-The KV method: ``oscar`` (``int4-oscar`` for a 4-bit scheme) with an artifact, ``bf16`` without; its sink, recent
-and bits come from the artifact's scheme. :func:`kv_setup` is the one place that touches the cache and model-state
+The KV method: ``oscar`` with an artifact, ``bf16`` without; bits, group, sink and recent come from the artifact's
+scheme. :func:`kv_setup` is the one place that touches the cache and model-state
 APIs.
 """
 
@@ -66,26 +66,28 @@ class KVSetup:
 def kv_setup(model, artifact) -> KVSetup:
     """Put ``model`` in the state of its serving method and return how to build its per-request cache.
 
-    ``artifact``: an :class:`oscar_cli.artifact.Artifact` (method ``oscar``, or ``int4-oscar`` for 4-bit schemes,
-    with the artifact's sink/recent) or None (``bf16``: an exact :class:`OscarCache`)."""
+    ``artifact``: an :class:`oscar_cli.artifact.Artifact` (method ``oscar`` at the artifact's own
+    :class:`~oscar_kernels.scheme.QuantScheme`: bits, group, sink, recent) or None (``bf16``: an exact
+    :class:`OscarCache`)."""
     from ..cache import cache_kwarg, make_cache
-    from ..evaluate import prepare
-    from ..methods import get_method
+    from ..evaluate import head_dim_of, prepare
+    from ..methods import get_method, scheme_for
 
+    head_dim = head_dim_of(model.config)
     if artifact is None:
-        method, scheme, sink, recent = get_method("bf16"), None, 0, 0
+        method = get_method("bf16")
+        scheme = scheme_for(method, head_dim)
     else:
-        s = getattr(artifact, "scheme", None) or artifact.quant
-        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-        scheme = dict(bits=int(s.bits), group=int(s.group or head_dim), sink=int(s.sink), recent=int(s.recent))
-        method = get_method("oscar" if s.bits == 2 else "int4-oscar")
-        sink, recent = scheme["sink"], scheme["recent"]
-    prep = prepare(model, method, sink, recent, artifact)
+        method = get_method("oscar")
+        scheme = scheme_for(method, head_dim, artifact_scheme=artifact.scheme, artifact_name=artifact.name)
+    prep = prepare(model, method, scheme, artifact)
 
     def new_cache():
-        return make_cache(model, prep.method, prep.quants, prep.windows.sink, prep.windows.recent)
+        return make_cache(model, prep.method, prep.quants, prep.scheme)
 
-    return KVSetup(method.label, scheme, new_cache, cache_kwarg(model))
+    shown = None if artifact is None else dict(bits=scheme.bits, group=scheme.group, sink=scheme.sink,
+                                               recent=scheme.recent)
+    return KVSetup(method.label, shown, new_cache, cache_kwarg(model))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -263,9 +265,8 @@ class TransformersEngine:
         """What is served: model slug/source/fingerprint, method, artifact (name, path, content hash), scheme."""
         art = None
         if self.artifact is not None:
-            m = self.artifact.manifest
-            chash = m.get("content_hash") if isinstance(m, dict) else getattr(m, "content_hash", None)
-            art = dict(name=self.artifact.name, path=str(Path(self.artifact.path).resolve()), content_hash=chash)
+            art = dict(name=self.artifact.name, path=str(Path(self.artifact.path).resolve()),
+                       content_hash=self.artifact.manifest.content_hash)
         return dict(model=self.loaded.slug, source=self.loaded.source, fingerprint=self.loaded.fingerprint,
                     method=self.method, artifact=art, scheme=self.scheme)
 
