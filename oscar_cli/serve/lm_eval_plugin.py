@@ -10,7 +10,7 @@ registry accepts ``importlib.metadata.EntryPoint`` placeholders, but no code fil
 * a one-line startup file :data:`PTH_NAME` in site-packages (``python -m oscar_cli.serve.lm_eval_plugin install``)
   calls :func:`install_hook`, which waits for ``lm_eval.api.registry`` to be imported and then registers every entry
   point of that group as a lazy placeholder (the registry's documented lazy mechanism). Until lm-eval asks for the
-  model nothing else is imported: the startup cost is one meta-path check per import.
+  model nothing else is imported: the startup cost is one dictionary lookup per import.
 
 The placeholder is exactly ``<module>:<class>`` of the class :func:`oscar_cli.evaluate.oscar_lm_class` registers, so
 when ``oscar eval`` registers it in the same process the registry upgrades the placeholder in place instead of
@@ -22,7 +22,6 @@ Import-light on purpose (standard library only): every interpreter of the enviro
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +47,8 @@ def register(registry=None) -> list[str]:
         if ep.name not in registry:
             registry.register(ep.name, target=ep.value.replace(" ", ""))
             added.append(ep.name)
+    if added:
+        after_import(MODEL_MODULE, provide_model_class)
     return added
 
 
@@ -65,23 +66,27 @@ def provide_model_class(module) -> None:
 
 
 def install_hook() -> None:
-    """Run :func:`register` once ``lm_eval.api.registry`` is imported and :func:`provide_model_class` once
-    ``oscar_cli.evaluate`` is (immediately for a module already imported). Idempotent."""
-    if any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    """Run :func:`register` once ``lm_eval.api.registry`` has been imported (now, if it already is). Idempotent."""
+    after_import(REGISTRY_MODULE, lambda _module: register())
+
+
+def after_import(name: str, hook: Callable) -> None:
+    """Call ``hook(module)`` right after module ``name`` executes (now, when it is already imported)."""
+    if name in sys.modules:
+        hook(sys.modules[name])
         return
-    hooks: dict[str, Callable] = {REGISTRY_MODULE: lambda _m: register(), MODEL_MODULE: provide_model_class}
-    for name in list(hooks):
-        if name in sys.modules:
-            hooks.pop(name)(sys.modules[name])
-    if hooks:
-        sys.meta_path.insert(0, _AfterImport(hooks))
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport)), None)
+    if finder is None:
+        finder = _AfterImport()
+        sys.meta_path.insert(0, finder)
+    finder.hooks.setdefault(name, hook)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
+class _AfterImport:  # a meta-path finder (duck-typed: importlib.abc costs 15 ms to import)
     """Calls ``hooks[name](module)`` right after module ``name`` has executed; finds nothing itself."""
 
-    def __init__(self, hooks: dict[str, Callable]):
-        self.hooks = hooks
+    def __init__(self):
+        self.hooks: dict[str, Callable] = {}
 
     def find_spec(self, fullname, path, target=None):
         hook = self.hooks.get(fullname)
@@ -99,13 +104,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         self.hooks.pop(fullname)
-        if not self.hooks:
-            sys.meta_path.remove(self)
         spec.loader = _Loader(spec.loader, hook)
         return spec
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
     def __init__(self, inner, after: Callable):
         self._inner, self._after = inner, after
 
