@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import CollectConfig
+from .config import CHECKPOINT_BYTES, CollectConfig
 from .models import LoadedModel, attention_modules, attention_shape
 from .stats import StatsAccumulator
 
@@ -199,10 +199,22 @@ def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = 
         start = 0
     total = int(windows.numel())
     done = [start * cfg.batch_size * cfg.seq_len]
+    every = cfg.checkpoint_every or max(1, -(-acc.nbytes // CHECKPOINT_BYTES))
+    pending: dict = {}  # reservoir rows admitted since the last checkpoint
 
     def persist(b: int, n_tokens: int, samples: dict, threshold: float) -> None:
         done[0] += n_tokens
-        store.save_batch(run_id, b + 1, done[0], acc.as_rows(), samples, threshold)
+        for key, (tok, pri, rows) in samples.items():
+            if key in pending:
+                t0, p0, r0 = pending[key]
+                tok, pri, rows = np.concatenate([t0, tok]), np.concatenate([p0, pri]), np.concatenate([r0, rows])
+            pending[key] = (tok, pri, rows)
+        if (b + 1 - start) % every == 0 or b + 1 == n_batches:
+            # rows admitted since the last checkpoint and evicted by a later batch are not written: once the
+            # reservoir is full its threshold only falls, so `priority <= threshold` is exactly what it keeps
+            kept = {k: (t[p <= threshold], p[p <= threshold], r[p <= threshold]) for k, (t, p, r) in pending.items()}
+            store.save_batch(run_id, b + 1, done[0], acc.as_rows(), kept, threshold)
+            pending.clear()
         if progress is not None:
             progress(done[0], total)
 

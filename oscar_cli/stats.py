@@ -63,6 +63,11 @@ class StatsAccumulator:
                     )
         return out
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the accumulators (what one store checkpoint writes)."""
+        return sum(t.numel() * t.element_size() for d in (self.sums, self.count, self.weight) for t in d.values())
+
     def digest(self) -> str:
         """sha256 over every accumulator (counts, weights, sums), in a fixed order: identifies the statistics an
         artifact was fitted from (equal for a resumed and an uninterrupted run)."""

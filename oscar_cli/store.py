@@ -3,7 +3,8 @@
 ``<store>/oscar.duckdb`` holds
 
 * ``runs``: one row per calibration run: model slug and fingerprint, data spec and digest, tokens, seq len, batch
-  size, progress (``batches_done``), ``status`` (running / complete / failed), the owning process, config JSON;
+  size, progress (``batches_done``, at the last checkpoint), ``status`` (running / complete / interrupted), the owning
+  process, config JSON;
 * ``stats``: float64 accumulators per (run, layer, head, kind): ``count`` (rows), ``weight`` (sum of weights),
   ``mat`` (the d×d sum of outer products, row-major);
 * ``samples``: the bounded reservoir, one row per (run, layer, kind, token) with all heads of that token concatenated
@@ -274,14 +275,18 @@ class Store:
             tab = con.sql(f"SELECT layer, head, kind, count, weight, mat FROM stats WHERE run_id = {int(run_id)}")
             tab = tab.to_arrow_table()
         out = {}
-        mats = tab.column("mat").to_pylist()
+        if tab.num_rows == 0:
+            return out
+        mats = tab.column("mat").combine_chunks()
+        flat = mats.flatten().to_numpy(zero_copy_only=False).astype(np.float64, copy=False)  # no Python floats
+        offsets = mats.offsets.to_numpy()
         for i, (layer, head, kind, count, weight) in enumerate(zip(
             tab.column("layer").to_pylist(), tab.column("head").to_pylist(), tab.column("kind").to_pylist(),
             tab.column("count").to_pylist(), tab.column("weight").to_pylist(), strict=True,
         )):
-            m = np.asarray(mats[i], dtype=np.float64)
+            m = flat[offsets[i]:offsets[i + 1]]
             d = int(round(len(m) ** 0.5))
-            out[(layer, head, kind)] = (count, weight, m.reshape(d, d))
+            out[(layer, head, kind)] = (count, weight, m.reshape(d, d).copy())
         return out
 
     def load_samples(self, run_id: int, layer: int | None = None) -> dict:

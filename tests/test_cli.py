@@ -94,6 +94,44 @@ def test_a_killed_run_resumes_to_the_same_statistics(tmp_path, tiny_store, tiny_
         np.testing.assert_array_equal(ma[key][2], mb[key][2])
 
 
+def test_checkpointed_collect_resumes_bit_exact_and_writes_less(tmp_path, tiny_store, tiny_model_dir, monkeypatch):
+    """With a checkpoint every 3 batches the 4-batch run writes its accumulators twice (after batches 3 and 4), not 4
+    times; killed after the first checkpoint it resumes from batch 3 to the uninterrupted statistics and reservoir."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("collect:\n  checkpoint_every: 3\n")
+    store = tmp_path / "ck"
+    real = Store.save_batch
+    calls = []
+
+    def counted(self, run_id, batches_done, *a, **k):
+        calls.append(batches_done)
+        if len(calls) == 2 and kill["on"]:
+            raise KeyboardInterrupt
+        return real(self, run_id, batches_done, *a, **k)
+
+    kill = {"on": True}
+    monkeypatch.setattr(Store, "save_batch", counted)
+    r = runner.invoke(app, ["collect", "--model", str(tiny_model_dir), "--store", str(store), "--recipe", str(recipe),
+                            *TINY])
+    assert r.exit_code == 130 and calls == [3, 4]
+    half = Store(store).list_runs()[-1]
+    assert (half.status, half.batches_done) == ("interrupted", 3)
+    kill["on"], calls[:] = False, []
+    r = invoke("collect", "--model", tiny_model_dir, "--store", store, "--recipe", recipe, "--resume", *TINY)
+    assert r.exit_code == 0, r.output
+    assert calls == [4]
+    a, b = Store(tiny_store), Store(store)
+    sa, sb = a.load_stats(a.get_run("latest").run_id), b.load_stats(b.get_run("latest").run_id)
+    for key in sa:
+        assert sa[key][:2] == sb[key][:2]
+        np.testing.assert_array_equal(sa[key][2], sb[key][2])
+    ma, mb = a.load_samples(a.get_run("latest").run_id), b.load_samples(b.get_run("latest").run_id)
+    assert ma.keys() == mb.keys()
+    for key in ma:
+        np.testing.assert_array_equal(ma[key][0], mb[key][0])
+        np.testing.assert_array_equal(ma[key][2], mb[key][2])
+
+
 def test_bad_input_fails_with_one_line_and_leaves_the_store_alone(tmp_path, tiny_store, tiny_model_dir):
     before = [(r.run_id, r.status, r.batches_done) for r in Store(tiny_store).list_runs()]
     empty = tmp_path / "empty.txt"
