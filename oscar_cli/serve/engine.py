@@ -184,12 +184,14 @@ class Request:
 
 @dataclass
 class Completion:
-    """The result of :meth:`TransformersEngine.generate`."""
+    """The result of :meth:`TransformersEngine.generate`. ``token_ids``: the tokens of ``text`` (a stop token is
+    counted in ``completion_tokens`` but not listed)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
     prompt_tokens: int
+    completion_tokens: int
     logprobs: list[TokenLogprob]
     prompt_logprobs: list[TokenLogprob] | None
 
@@ -372,7 +374,7 @@ class TransformersEngine:
             if ev.reason == "error":
                 raise EngineError(ev.error or "generation failed")
             text.append(ev.delta)
-            return Completion("".join(text), tokens, ev.reason, ev.prompt_tokens, lps, pl)
+            return Completion("".join(text), tokens, ev.reason, ev.prompt_tokens, ev.completion_tokens, lps, pl)
 
     # --- worker ------------------------------------------------------------------------------------------------------
     def _run(self) -> None:
