@@ -1,64 +1,80 @@
-"""Split-KV (flash-decoding) attention of one new query per sequence over an INT2 cache plus a BF16 segment.
+"""Split-KV (flash-decoding) attention of one new query per sequence over an INT2 cache plus its exact rows.
 
 Math, for sequence ``b`` and query head ``h`` (KV head ``kh = h // (Hq / Hkv)``): the query is rotated,
 ``q' = q @ R_K[kh]``; cached keys and values are held rotated (``k' = k R_K``, ``v' = v R_V``), so
 ``q'.k' = q.k`` and ``o = softmax(sm_scale * q' K'^T) V' R_V^T``.  Keys/values are either INT2 slots
-(``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, dequantised ``x_hat = code*s + z``) or BF16 slots
-(``bf16_indices[bf16_indptr[b]:bf16_indptr[b+1]]``, sink and recent tokens).
+(``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, dequantised ``x_hat = code*s + z``) or exact bf16 rows
+(``bf16_indices[bf16_indptr[b]:bf16_indptr[b+1]]``: sinks and the recent window, Design P, see
+:mod:`oscar_kernels.plan`). Every listed element is attended: which positions are exact is the plan's business.
 
-Kernels, all launched without host synchronisation (the split count is a launch argument), so one call
-can be captured in a CUDA graph:
+Kernels, all launched without host synchronisation, so one call can be captured in a CUDA graph:
 
 * ``_rotate_q_kernel``, grid ``(B, Hkv)``: ``q' = q @ R_K[kh] * sm_scale * log2(e)`` once per query head
   (fp32, base-2 softmax units), into the workspace.
-* ``_decode_rows_kernel``, grid ``(B, Hkv, num_splits + 1)``, the fast path for one scale/zero per row
-  (``g = d >= 128``). Split ``i < num_splits`` covers ``ceil(L_b / num_splits)`` INT2 tokens (rounded up
-  to a tile) of sequence ``b``; the last split covers the BF16 segment. All ``Hq / Hkv`` query heads of a KV
+* ``_decode_rows_kernel``, grid ``(B, Hkv, max_splits + 1)``, the fast path for one scale/zero per row
+  (``g = d >= 128``). Sequence ``b`` uses ``n_b = clamp(num_splits[b], 1, max_splits)`` INT2 splits (a device
+  tensor: ragged batches get per-sequence counts inside a grid fixed by the host int ``max_splits``); split
+  ``i < n_b`` covers ``ceil(L_b / n_b)`` INT2 tokens (rounded up to a tile); programs ``n_b <= i < max_splits`` exit
+  at once; split ``max_splits`` covers the exact rows. All ``Hq / Hkv`` query heads of a KV
   head share each loaded tile (GQA), and tokens are the M dimension of both tensor-core products, so a
   4-head group is not padded to 16 rows. The dequantisation is folded out of the inner loop:
   ``q'.k_hat = s (q'.c) + z sum(q')`` and ``sum_t p_t v_hat_t = sum_t (p_t s_t) c_t + sum_t p_t z_t``.
   Codes are read as int16 words (two bytes, eight codes); plane ``j`` of the low/high byte of word ``w`` is
   rotated element ``2w + {0, 1} + j d/4``. On CUDA one LOP3 per two codes turns them into fp16
-  ``1024 + 4**j c`` (the "magic number" trick: the code lands in the mantissa of 1024); the query planes are
-  pre-divided by ``4**j``; the ``1024`` offsets leave the key side through one per-head constant and the
+  ``F16_MAGIC + 4**j c`` (the "magic number" trick: the code lands in the mantissa of 1024); the query planes are
+  pre-divided by ``4**j``; the offsets leave the key side through one per-head constant and the
   value side through each tile's ``sum(p*s)``, so per element the loop runs 0.56 integer instructions plus its
   share of the dot.
-* ``_decode_int2_kernel``, same grid, the general path (``g < d`` or ``d = 64``): quarter planes of bytes,
-  codes dequantised per element when ``g < d``.
-* ``_decode_int2_merge_kernel``, grid ``(B, Hkv)``: merges the splits by log-sum-exp and rotates back by
-  ``R_V^T`` in the same program.
+* ``_decode_int2_kernel``, same grid and split rule, the general path (``g < d`` or ``d = 64``): quarter planes of
+  bytes, codes dequantised per element when ``g < d``.
+* ``_decode_int2_merge_kernel``, grid ``(B, Hkv)``: merges sequence ``b``'s ``n_b`` INT2 partials and the exact one
+  by log-sum-exp (the partials of exited programs are never read) and rotates back by ``R_V^T`` in the same program.
 
-Each split writes its normalised partial output and base-2 log-sum-exp (an empty split: ``lse = -inf``).
+Each active split writes its normalised partial output and base-2 log-sum-exp (an empty split: ``lse = -inf``).
 
 Exact vs approximate: the ``_ref`` dequantises to fp32 and works in fp32. On GPU the kernels round ``q'``
 to fp16 and ``p*s`` to fp16 (fast path) or bf16 (general path) for the tensor-core dots (fp32
 accumulation), rotate ``q`` with tf32x3 dots and ``o`` with tf32 dots: relative output error ~1e-3, tested
 at <= 1e-2. Under ``TRITON_INTERPRET=1`` every dot runs in fp32 and the fast path skips the fp16 offset,
-so it matches the reference to ~1e-6.
+so it matches the reference to ~1e-6. Only a GPU run exercises the PTX unpacks (``MAGIC`` / ``PTX_UNPACK``), the
+fp16/bf16 dot operands, the register cap and the 64-bit offsets' real range.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .layout import CODES_PER_BYTE, cached_rows_ref, check_group_size
+from .layout import LayerCache, _interpreting, cached_rows_ref, check_index, check_seq
 
 DEFAULT_MIN_PROGRAMS = 128
-"""General path: split programs aimed for at least (about one per SM of an H200) when ``num_splits`` is not given."""
+"""General path: split programs aimed for at least (about one per SM of an H200), through the split policy's
+``min_splits``."""
 DEFAULT_SPLIT_TOKENS = 3072
-"""General path: INT2 tokens per split when ``num_splits`` is derived from ``max_kv_len``. Measured on an H200 (Qwen3-8B
-shapes, block_n 128): bs1/128k 172 µs at 33 splits vs 185 at 66 and 295 at 16; bs8/32k 245 µs at 18 splits vs
-276 at 9; bs16/128k 1674 µs at 20 splits vs 1801 at 5 and 1796 at 10; bs1/8k 26.5 µs at 16 splits vs 31 at 32."""
+"""General path: INT2 tokens per split. Measured on an H200 (Qwen3-8B shapes, block_n 128): bs1/128k 172 µs at 33
+splits vs 185 at 66 and 295 at 16; bs8/32k 245 µs at 18 splits vs 276 at 9; bs16/128k 1674 µs at 20 splits vs 1801
+at 5 and 1796 at 10; bs1/8k 26.5 µs at 16 splits vs 31 at 32."""
 SMALL_BATCH_WARPS = 2
 """General path: warps per split program when ``batch * kv_heads <= 16``: bs1/128k ran 144 µs with 2 warps vs 185 with 4;
 at bs8 and bs16 2 warps were slower (304 vs 276, 2183 vs 1801 µs)."""
+GENERAL_WARPS = 4
+"""General path: warps per split program otherwise (the other side of the ``SMALL_BATCH_WARPS`` measurement)."""
+GENERAL_STAGES = 2
+"""General path: Triton pipelining depth; every v3 measurement (RESULTS.md, commit 529689a) ran at 2, and the sweep
+there moved bs16/128k by < 15% over split counts and depths."""
+GENERAL_MIN_BLOCK_H = 16
+"""General path: the GQA group is padded to 16 rows, the M minimum of the tensor-core dots it was tuned with."""
 DEFAULT_BLOCK_N = 128
 """General path: INT2 tokens per inner-loop tile (128 beat 32 and 64 at every measured shape except bs1/8k, where 64 won by 3%)."""
+BF16_BLOCK_N = 32
+"""Both paths: exact (BF16) rows per tile of the exact split. Not swept: the exact split covers at most
+``sink + recent`` rows (a few hundred) while the INT2 splits cover the rest of the context, so it is off the
+critical path at long contexts; 32 keeps the bf16 tile of a 128-wide head at 8 KB."""
 ROWS_BLOCK_N = 128
 """Row-scale path: INT2 tokens per tile. Measured on an H200 (Qwen3-8B shapes, one warp; this and the constants below
 on slot-major pools, before ``Int2Pool`` went head-major): 128 beat 64 at every
@@ -71,25 +87,51 @@ ROWS_STAGES = 1
 ROWS_MIN_BLOCK_H = 2
 """Row-scale path: smallest head-tile width (the tensor-core dot pads to 8 inside the instruction anyway)."""
 ROWS_MIN_PROGRAMS = 128
-"""Row-scale path: split programs aimed for at least when ``num_splits`` is not given."""
+"""Row-scale path: split programs aimed for at least, through the split policy's ``min_splits``."""
 ROWS_SPLIT_TOKENS = 2048
 """Row-scale path: INT2 tokens per split. Measured: bs1/8k 25.2 µs at 16 splits vs 30.2 at 32; bs1/128k 108 at
 64 vs 133 at 128; bs8/32k 109 at 16 vs 159 at 8; bs16/128k 682 at 32 vs 710 at 64 (with the register cap 646 vs 666)."""
 ROWS_CAPPED_PROGRAMS = 2048
-"""Row-scale path: from this many split programs on, cap registers at ``ROWS_MAX_REGISTERS`` (more resident warps).
-bs16/128k (8192 programs): 666 µs capped vs 710; bs1/128k (512): 117 capped vs 108; bs8/32k (1024): 111 vs 109."""
+"""Row-scale path: from this many launched split programs (``B * Hkv * max_splits``) on, cap registers at
+``ROWS_MAX_REGISTERS`` (more resident warps). bs16/128k (8192 programs): 666 µs capped vs 710; bs1/128k (512): 117
+capped vs 108; bs8/32k (1024): 111 vs 109."""
 ROWS_MAX_REGISTERS = 168
+"""Row-scale path: the register cap (Triton ``maxnreg``); 128 and 144 did not beat it (commit 59b8e6e sweep)."""
+MIN_SPLIT_TOKENS = 256
+"""Both paths: a sequence of ``L`` INT2 tokens gets at most ``ceil(L / 256)`` splits, so no split is shorter than
+two 128-token tiles (the cap of every measured default; a shorter split pays the query-plane setup, an LSE write and
+a merge term for less than two tiles). Not swept on its own."""
+Q_ROT_BLOCK_C = 64
+"""Query rotation: output columns per ``tl.dot`` (64 KB of fp32 ``R_K`` per program is read in ``d / 64`` pieces to
+bound registers). Not swept: one small program per (sequence, KV head)."""
+Q_ROT_WARPS = 4
+"""Query rotation: warps per program (not swept, see ``Q_ROT_BLOCK_C``)."""
+MERGE_MIN_BLOCK_H = 16
+"""Merge: the GQA group is padded to 16 rows, the M minimum of the ``R_V^T`` tensor-core dot."""
+MERGE_WARPS = 4
+"""Merge: warps per program (not swept: one program per (sequence, KV head) reading ``max_splits + 1`` partials)."""
+
+F16_MAGIC = tl.constexpr(1024.0)
+"""fp16 1024: OR-ing a code ``c < 1024`` into its mantissa gives exactly ``1024 + c`` (the PTX unpacks)."""
+BF16_MAGIC = tl.constexpr(128.0)
+"""bf16 128: OR-ing a code ``c < 128`` into its mantissa gives exactly ``128 + c`` (the general path's PTX unpack)."""
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def _pair_bits(value: float, dtype: torch.dtype) -> int:
+    """32-bit pattern of two half-words equal to ``value`` in ``dtype`` (fp16 1024 -> 0x64006400)."""
+    h = torch.tensor(value, dtype=dtype).view(torch.int16).item() & 0xFFFF
+    return (h << 16) | h
+
+
+_F16_PAIR = _pair_bits(F16_MAGIC.value, torch.float16)
+_BF16_PAIR = _pair_bits(BF16_MAGIC.value, torch.bfloat16)
 
 
 def _plane_asm(shift: int, magic: int) -> str:
     """PTX: 4 packed codes (one byte each) -> bit plane at ``shift`` as 4 half-words ``magic | code``.
 
-    ``0x6400`` is fp16 1024 and ``0x4300`` bf16 128: OR-ing a 2-bit code into the mantissa yields exactly
-    ``1024 + code`` / ``128 + code``, two elements per 32-bit register in ~1.25 instructions per element.
+    OR-ing a 2-bit code into the mantissa of ``F16_MAGIC`` / ``BF16_MAGIC`` yields exactly ``1024 + code`` /
+    ``128 + code``, two elements per 32-bit register in ~1.25 instructions per element.
     """
     return (
         "{ .reg .b32 t; "
@@ -100,18 +142,20 @@ def _plane_asm(shift: int, magic: int) -> str:
     )
 
 
-_F16_PLANE0 = tl.constexpr(_plane_asm(0, 0x64006400))
-_F16_PLANE1 = tl.constexpr(_plane_asm(2, 0x64006400))
-_F16_PLANE2 = tl.constexpr(_plane_asm(4, 0x64006400))
-_F16_PLANE3 = tl.constexpr(_plane_asm(6, 0x64006400))
-_BF16_PLANE0 = tl.constexpr(_plane_asm(0, 0x43004300))
-_BF16_PLANE1 = tl.constexpr(_plane_asm(2, 0x43004300))
-_BF16_PLANE2 = tl.constexpr(_plane_asm(4, 0x43004300))
-_BF16_PLANE3 = tl.constexpr(_plane_asm(6, 0x43004300))
-F16_MAGIC = 1024.0
-"""Offset of the fp16 codes made by the PTX unpack (``1024 + code``)."""
-BF16_MAGIC = 128.0
-"""Offset of the bf16 codes made by the PTX unpack (``128 + code``)."""
+_F16_PLANE0 = tl.constexpr(_plane_asm(0, _F16_PAIR))
+_F16_PLANE1 = tl.constexpr(_plane_asm(2, _F16_PAIR))
+_F16_PLANE2 = tl.constexpr(_plane_asm(4, _F16_PAIR))
+_F16_PLANE3 = tl.constexpr(_plane_asm(6, _F16_PAIR))
+_BF16_PLANE0 = tl.constexpr(_plane_asm(0, _BF16_PAIR))
+_BF16_PLANE1 = tl.constexpr(_plane_asm(2, _BF16_PAIR))
+_BF16_PLANE2 = tl.constexpr(_plane_asm(4, _BF16_PAIR))
+_BF16_PLANE3 = tl.constexpr(_plane_asm(6, _BF16_PAIR))
+
+
+@triton.jit
+def _active_splits(NUM_SPLITS, b, max_splits):
+    """INT2 splits of sequence ``b``: ``clamp(num_splits[b], 1, max_splits)`` (split kernels and merge agree on it)."""
+    return tl.minimum(tl.maximum(tl.load(NUM_SPLITS + b), 1), max_splits)
 
 
 @triton.jit
@@ -134,11 +178,11 @@ def _planes_bf16(x):
 
 _WORD_PLANES = tl.constexpr(
     "{ .reg .b32 h; "
-    "lop3.b32 $0, $8, 0x00030003, 0x64006400, 0xea; lop3.b32 $1, $8, 0x000c000c, 0x64006400, 0xea; "
-    "lop3.b32 $2, $8, 0x00300030, 0x64006400, 0xea; lop3.b32 $3, $8, 0x00c000c0, 0x64006400, 0xea; "
+    f"lop3.b32 $0, $8, 0x00030003, {_F16_PAIR:#x}, 0xea; lop3.b32 $1, $8, 0x000c000c, {_F16_PAIR:#x}, 0xea; "
+    f"lop3.b32 $2, $8, 0x00300030, {_F16_PAIR:#x}, 0xea; lop3.b32 $3, $8, 0x00c000c0, {_F16_PAIR:#x}, 0xea; "
     "shr.b32 h, $8, 8; "
-    "lop3.b32 $4, h, 0x00030003, 0x64006400, 0xea; lop3.b32 $5, h, 0x000c000c, 0x64006400, 0xea; "
-    "lop3.b32 $6, h, 0x00300030, 0x64006400, 0xea; lop3.b32 $7, h, 0x00c000c0, 0x64006400, 0xea; }"
+    f"lop3.b32 $4, h, 0x00030003, {_F16_PAIR:#x}, 0xea; lop3.b32 $5, h, 0x000c000c, {_F16_PAIR:#x}, 0xea; "
+    f"lop3.b32 $6, h, 0x00300030, {_F16_PAIR:#x}, 0xea; lop3.b32 $7, h, 0x00c000c0, {_F16_PAIR:#x}, 0xea; }}"
 )
 """PTX, two int16 code words per 32-bit register: eight fp16 outputs, ``(x & mask_j) | 0x6400`` = ``1024 + 4**j c``
 for the low byte's plane ``j`` (outputs 0-3) and, after one shift, the high byte's (outputs 4-7). Each LOP3 handles
@@ -200,8 +244,8 @@ def _decode_rows_kernel(
     K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
-    PART_O, PART_LSE,
-    num_splits,
+    PART_O, PART_LSE, NUM_SPLITS,
+    max_splits,
     stride_qnb, stride_qnh,
     stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
     stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
@@ -221,13 +265,14 @@ def _decode_rows_kernel(
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
     q_rows = QN + b * stride_qnb + heads[None, :] * stride_qnh  # [1, H]
+    num_splits = _active_splits(NUM_SPLITS, b, max_splits)
     if split < num_splits:
         # ---------------- INT2 split: tokens x heads tiles ----------------
         offs_w = tl.arange(0, W)
         qw = q_rows + 2 * offs_w[:, None]  # [W, H]: element 2w (low byte) / 2w + 1 (high byte) of plane 0
         mq = mask_h[None, :]
         if MAGIC:  # codes arrive as 1024 + 4**j c: divide the query planes by 4**j, remove 1024 * sum(q) below
-            OFF: tl.constexpr = 1024.0
+            OFF: tl.constexpr = F16_MAGIC
             R1: tl.constexpr = 0.25
             R2: tl.constexpr = 0.0625
             R3: tl.constexpr = 0.015625
@@ -332,8 +377,8 @@ def _decode_rows_kernel(
         tl.store(o_rows + 1 + 2 * D4, a6 * (il * R2) + zt, mask=mh)
         tl.store(o_rows + 1 + 3 * D4, a7 * (il * R3) + zt, mask=mh)
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
-    else:
-        # ---------------- BF16 sink/recent split: tokens x heads, natural element order ----------------
+    elif split == max_splits:
+        # ---------------- exact (BF16) split: tokens x heads, natural element order ----------------
         offs_d = tl.arange(0, HEAD_DIM)
         qn = tl.load(q_rows + offs_d[:, None], mask=mask_h[None, :], other=0.0).to(DOT_T)  # [d, H]
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -363,14 +408,15 @@ def _decode_rows_kernel(
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
 
 
+
 @triton.jit
 def _decode_int2_kernel(
     QN,
     K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
-    PART_O, PART_LSE,
-    num_splits,
+    PART_O, PART_LSE, NUM_SPLITS,
+    max_splits,
     stride_qnb, stride_qnh,
     stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh,
     stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh,
@@ -387,147 +433,148 @@ def _decode_int2_kernel(
     D4: tl.constexpr = HEAD_DIM // 4
     BQ: tl.constexpr = GROUP_SIZE // 4
     NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
+    num_splits = _active_splits(NUM_SPLITS, b, max_splits)
+    if (split < num_splits) | (split == max_splits):
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GQA
+        heads = kvh * GQA + offs_h
+        offs_m = tl.arange(0, D4)
+        col0 = (offs_m // BQ) * GROUP_SIZE + offs_m % BQ  # element of bit plane 0 held by byte m
 
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < GQA
-    heads = kvh * GQA + offs_h
-    offs_m = tl.arange(0, D4)
-    col0 = (offs_m // BQ) * GROUP_SIZE + offs_m % BQ  # element of bit plane 0 held by byte m
+        # ---- q' (rotated, pre-scaled for exp2) split into the four bit-plane quarters ----
+        q_rows = QN + b * stride_qnb + heads[:, None] * stride_qnh
+        q0 = tl.load(q_rows + (col0 + 0 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
+        q1 = tl.load(q_rows + (col0 + 1 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
+        q2 = tl.load(q_rows + (col0 + 2 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
+        q3 = tl.load(q_rows + (col0 + 3 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
 
-    # ---- q' (rotated, pre-scaled for exp2) split into the four bit-plane quarters ----
-    q_rows = QN + b * stride_qnb + heads[:, None] * stride_qnh
-    q0 = tl.load(q_rows + (col0 + 0 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
-    q1 = tl.load(q_rows + (col0 + 1 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
-    q2 = tl.load(q_rows + (col0 + 2 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
-    q3 = tl.load(q_rows + (col0 + 3 * BQ)[None, :], mask=mask_h[:, None], other=0.0).to(QK_T)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc0 = tl.zeros([BLOCK_H, D4], tl.float32)
+        acc1 = tl.zeros([BLOCK_H, D4], tl.float32)
+        acc2 = tl.zeros([BLOCK_H, D4], tl.float32)
+        acc3 = tl.zeros([BLOCK_H, D4], tl.float32)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, D4], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, D4], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, D4], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, D4], tl.float32)
-
-    if split < num_splits:
-        # ---------------- INT2 split ----------------
-        kv_start = tl.load(KV_INDPTR + b)
-        kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
-        split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, kv_len)
-        qsum = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)
-                + tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1))
-        gidx = offs_m // BQ
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < hi
-            slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
-            vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
-            if NG == 1:
-                ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh, mask=mask_n, other=0.0).to(tl.float32)
-                kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh, mask=mask_n, other=0.0).to(tl.float32)
-                vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
-                vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
-                if PTX_UNPACK:  # codes arrive as 1024 + c: q.(1024 + c) = q.c + 1024 sum(q)
-                    k0, k1, k2, k3 = _planes_f16(kc)
-                    kz = kz - 1024.0 * ks  # F16_MAGIC
+        if split < num_splits:
+            # ---------------- INT2 split ----------------
+            kv_start = tl.load(KV_INDPTR + b)
+            kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
+            split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+            lo = split * split_len
+            hi = tl.minimum(lo + split_len, kv_len)
+            qsum = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)
+                    + tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1))
+            gidx = offs_m // BQ
+            for start in range(lo, hi, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)
+                mask_n = offs_n < hi
+                slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+                kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
+                vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
+                if NG == 1:
+                    ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh, mask=mask_n, other=0.0).to(tl.float32)
+                    kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh, mask=mask_n, other=0.0).to(tl.float32)
+                    vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
+                    vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
+                    if PTX_UNPACK:  # codes arrive as F16_MAGIC + c: q.(M + c) = q.c + M sum(q)
+                        k0, k1, k2, k3 = _planes_f16(kc)
+                        kz = kz - F16_MAGIC * ks
+                    else:
+                        k0 = (kc & 3).to(QK_T)
+                        k1 = ((kc >> 2) & 3).to(QK_T)
+                        k2 = ((kc >> 4) & 3).to(QK_T)
+                        k3 = (kc >> 6).to(QK_T)
+                    qc = tl.dot(q0, tl.trans(k0))
+                    qc += tl.dot(q1, tl.trans(k1))
+                    qc += tl.dot(q2, tl.trans(k2))
+                    qc += tl.dot(q3, tl.trans(k3))
+                    s = qc * ks[None, :] + qsum[:, None] * kz[None, :]
                 else:
-                    k0 = (kc & 3).to(QK_T)
-                    k1 = ((kc >> 2) & 3).to(QK_T)
-                    k2 = ((kc >> 4) & 3).to(QK_T)
-                    k3 = (kc >> 6).to(QK_T)
-                qc = tl.dot(q0, tl.trans(k0))
-                qc += tl.dot(q1, tl.trans(k1))
-                qc += tl.dot(q2, tl.trans(k2))
-                qc += tl.dot(q3, tl.trans(k3))
-                s = qc * ks[None, :] + qsum[:, None] * kz[None, :]
-            else:
-                ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :],
-                             mask=mask_n[:, None], other=0.0).to(tl.float32)
-                kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :],
-                             mask=mask_n[:, None], other=0.0).to(tl.float32)
-                s = tl.dot(q0, tl.trans(((kc & 3).to(tl.float32) * ks + kz).to(QK_T)))
-                s += tl.dot(q1, tl.trans((((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T)))
-                s += tl.dot(q2, tl.trans((((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T)))
-                s += tl.dot(q3, tl.trans(((kc >> 6).to(tl.float32) * ks + kz).to(QK_T)))
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc0 *= alpha[:, None]
-            acc1 *= alpha[:, None]
-            acc2 *= alpha[:, None]
-            acc3 *= alpha[:, None]
-            if NG == 1:
-                ps = (p * vs[None, :]).to(PV_T)
-                pz = tl.sum(p * vz[None, :], 1)
-                if PTX_UNPACK:  # codes arrive as 128 + c: sum ps (128 + c) = sum ps c + 128 sum ps
-                    v0, v1, v2, v3 = _planes_bf16(vc)
-                    pz -= 128.0 * tl.sum(ps.to(tl.float32), 1)
+                    ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :],
+                                 mask=mask_n[:, None], other=0.0).to(tl.float32)
+                    kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :],
+                                 mask=mask_n[:, None], other=0.0).to(tl.float32)
+                    s = tl.dot(q0, tl.trans(((kc & 3).to(tl.float32) * ks + kz).to(QK_T)))
+                    s += tl.dot(q1, tl.trans((((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T)))
+                    s += tl.dot(q2, tl.trans((((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T)))
+                    s += tl.dot(q3, tl.trans(((kc >> 6).to(tl.float32) * ks + kz).to(QK_T)))
+                s = tl.where(mask_n[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc0 *= alpha[:, None]
+                acc1 *= alpha[:, None]
+                acc2 *= alpha[:, None]
+                acc3 *= alpha[:, None]
+                if NG == 1:
+                    ps = (p * vs[None, :]).to(PV_T)
+                    pz = tl.sum(p * vz[None, :], 1)
+                    if PTX_UNPACK:  # codes arrive as BF16_MAGIC + c: sum ps (M + c) = sum ps c + M sum ps
+                        v0, v1, v2, v3 = _planes_bf16(vc)
+                        pz -= BF16_MAGIC * tl.sum(ps.to(tl.float32), 1)
+                    else:
+                        v0 = (vc & 3).to(PV_T)
+                        v1 = ((vc >> 2) & 3).to(PV_T)
+                        v2 = ((vc >> 4) & 3).to(PV_T)
+                        v3 = (vc >> 6).to(PV_T)
+                    acc0 += tl.dot(ps, v0) + pz[:, None]
+                    acc1 += tl.dot(ps, v1) + pz[:, None]
+                    acc2 += tl.dot(ps, v2) + pz[:, None]
+                    acc3 += tl.dot(ps, v3) + pz[:, None]
                 else:
-                    v0 = (vc & 3).to(PV_T)
-                    v1 = ((vc >> 2) & 3).to(PV_T)
-                    v2 = ((vc >> 4) & 3).to(PV_T)
-                    v3 = (vc >> 6).to(PV_T)
-                acc0 += tl.dot(ps, v0) + pz[:, None]
-                acc1 += tl.dot(ps, v1) + pz[:, None]
-                acc2 += tl.dot(ps, v2) + pz[:, None]
-                acc3 += tl.dot(ps, v3) + pz[:, None]
-            else:
-                vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :],
-                             mask=mask_n[:, None], other=0.0).to(tl.float32)
-                vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :],
-                             mask=mask_n[:, None], other=0.0).to(tl.float32)
+                    vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :],
+                                 mask=mask_n[:, None], other=0.0).to(tl.float32)
+                    vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :],
+                                 mask=mask_n[:, None], other=0.0).to(tl.float32)
+                    pp = p.to(PV_T)
+                    acc0 += tl.dot(pp, ((vc & 3).to(tl.float32) * vs + vz).to(PV_T))
+                    acc1 += tl.dot(pp, (((vc >> 2) & 3).to(tl.float32) * vs + vz).to(PV_T))
+                    acc2 += tl.dot(pp, (((vc >> 4) & 3).to(tl.float32) * vs + vz).to(PV_T))
+                    acc3 += tl.dot(pp, ((vc >> 6).to(tl.float32) * vs + vz).to(PV_T))
+                m_i = m_new
+        else:
+            # ---------------- exact (BF16) split ----------------
+            bf_start = tl.load(BF16_INDPTR + b)
+            bf_len = tl.load(BF16_INDPTR + b + 1) - bf_start
+            for start in range(0, bf_len, BLOCK_NB):
+                offs_n = start + tl.arange(0, BLOCK_NB)
+                mask_n = offs_n < bf_len
+                mn = mask_n[:, None]
+                slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+                k_rows = K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh
+                s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :] * stride_kbd, mask=mn, other=0.0).to(QK_T)))
+                s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :] * stride_kbd, mask=mn, other=0.0).to(QK_T)))
+                s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :] * stride_kbd, mask=mn, other=0.0).to(QK_T)))
+                s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :] * stride_kbd, mask=mn, other=0.0).to(QK_T)))
+                s = tl.where(mask_n[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
                 pp = p.to(PV_T)
-                acc0 += tl.dot(pp, ((vc & 3).to(tl.float32) * vs + vz).to(PV_T))
-                acc1 += tl.dot(pp, (((vc >> 2) & 3).to(tl.float32) * vs + vz).to(PV_T))
-                acc2 += tl.dot(pp, (((vc >> 4) & 3).to(tl.float32) * vs + vz).to(PV_T))
-                acc3 += tl.dot(pp, ((vc >> 6).to(tl.float32) * vs + vz).to(PV_T))
-            m_i = m_new
-    else:
-        # ---------------- BF16 sink/recent split ----------------
-        bf_start = tl.load(BF16_INDPTR + b)
-        bf_len = tl.load(BF16_INDPTR + b + 1) - bf_start
-        for start in range(0, bf_len, BLOCK_NB):
-            offs_n = start + tl.arange(0, BLOCK_NB)
-            mask_n = offs_n < bf_len
-            slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k_rows = K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh
-            s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :] * stride_kbd).to(QK_T)))
-            s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :] * stride_kbd).to(QK_T)))
-            s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :] * stride_kbd).to(QK_T)))
-            s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :] * stride_kbd).to(QK_T)))
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pp = p.to(PV_T)
-            v_rows = V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh
-            mn = mask_n[:, None]
-            acc0 = acc0 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 0 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
-            acc1 = acc1 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 1 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
-            acc2 = acc2 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 2 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
-            acc3 = acc3 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 3 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
-            m_i = m_new
+                v_rows = V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh
+                acc0 = acc0 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 0 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+                acc1 = acc1 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 1 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+                acc2 = acc2 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 2 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+                acc3 = acc3 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 3 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
+                m_i = m_new
 
-    # ---- normalised partial output and base-2 LSE (empty split: lse = -inf, o = 0) ----
-    inv_l, lse = _finish_split(m_i, l_i)
-    o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
-    mh = mask_h[:, None]
-    tl.store(o_rows + (col0 + 0 * BQ)[None, :], acc0 * inv_l[:, None], mask=mh)
-    tl.store(o_rows + (col0 + 1 * BQ)[None, :], acc1 * inv_l[:, None], mask=mh)
-    tl.store(o_rows + (col0 + 2 * BQ)[None, :], acc2 * inv_l[:, None], mask=mh)
-    tl.store(o_rows + (col0 + 3 * BQ)[None, :], acc3 * inv_l[:, None], mask=mh)
-    tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+        # ---- normalised partial output and base-2 LSE (empty split: lse = -inf, o = 0) ----
+        inv_l, lse = _finish_split(m_i, l_i)
+        o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
+        mh = mask_h[:, None]
+        tl.store(o_rows + (col0 + 0 * BQ)[None, :], acc0 * inv_l[:, None], mask=mh)
+        tl.store(o_rows + (col0 + 1 * BQ)[None, :], acc1 * inv_l[:, None], mask=mh)
+        tl.store(o_rows + (col0 + 2 * BQ)[None, :], acc2 * inv_l[:, None], mask=mh)
+        tl.store(o_rows + (col0 + 3 * BQ)[None, :], acc3 * inv_l[:, None], mask=mh)
+        tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
 
 
 @triton.jit
 def _decode_int2_merge_kernel(
-    PART_O, PART_LSE, ROT_V, OUT,
-    num_parts,
+    PART_O, PART_LSE, NUM_SPLITS, ROT_V, OUT,
+    max_splits,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     stride_rh, stride_rr, stride_rc,
@@ -537,20 +584,24 @@ def _decode_int2_merge_kernel(
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    num_splits = _active_splits(NUM_SPLITS, b, max_splits)
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
     offs_d = tl.arange(0, HEAD_DIM)
     offs_p = tl.arange(0, BLOCK_P)
+    # only the partials the active programs wrote: INT2 splits [0, num_splits) and the exact one at max_splits
+    valid = (offs_p < num_splits) | (offs_p == max_splits)
     lse = tl.load(PART_LSE + b * stride_plb + heads[:, None] * stride_plh + offs_p[None, :],
-                  mask=mask_h[:, None] & (offs_p[None, :] < num_parts), other=float("-inf"))
+                  mask=mask_h[:, None] & valid[None, :], other=float("-inf"))
     m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m[:, None])  # [BLOCK_H, BLOCK_P]
     w_sum = tl.sum(w, 1)
-    o = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + offs_d[None, :]
-    for i in range(num_parts):
+    w_x = tl.sum(tl.where(offs_p[None, :] == max_splits, w, 0.0), 1)
+    o = w_x[:, None] * tl.load(o_rows + max_splits * stride_pos, mask=mask_h[:, None], other=0.0)
+    for i in range(num_splits):
         w_i = tl.sum(tl.where(offs_p[None, :] == i, w, 0.0), 1)
         o += w_i[:, None] * tl.load(o_rows + i * stride_pos, mask=mask_h[:, None], other=0.0)
     o = o * tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)[:, None]
@@ -562,87 +613,143 @@ def _decode_int2_merge_kernel(
              o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
 
 
-def default_num_splits(batch: int, kv_heads: int, max_kv_len: int, row_kernel: bool = False,
-                       min_programs: int | None = None, split_tokens: int | None = None) -> int:
-    """INT2 splits per sequence: about ``split_tokens`` tokens per split, at least ``min_programs`` programs.
+# ---------------------------------------------------------------------------------------------------------------
+# split policy
 
-    Defaults per path (``ROWS_*`` for the row-scale kernel, ``DEFAULT_*`` for the general one). Depends only on
-    host integers (batch, heads, an upper bound of the INT2 length), so a CUDA graph captured for a
-    ``max_kv_len`` bucket replays for every shorter batch.
-    """
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """INT2 splits of a sequence of ``L`` INT2 tokens:
+    ``clamp(max(ceil(L / split_tokens), min_splits), 1, min(ceil(L / min_split_tokens), max_splits))``
+    (``L`` taken as at least 1). ``max_splits`` fixes the grid; ``min_splits`` spreads a small batch over the SMs.
+    :func:`split_policy` builds it from host integers; :meth:`num_splits` (torch) and :func:`split_count`
+    (``@triton.jit``) evaluate it on the device."""
+
+    split_tokens: int
+    min_splits: int
+    min_split_tokens: int
+    max_splits: int
+
+    def num_splits(self, kv_lens: torch.Tensor) -> torch.Tensor:
+        """int32 split counts for INT2 lengths ``kv_lens`` (any integer tensor; stays on its device, no sync)."""
+        n = kv_lens.long().clamp_min(1)
+        by_len = torch.clamp_min((n + self.split_tokens - 1) // self.split_tokens, self.min_splits)
+        cap = torch.clamp_max((n + self.min_split_tokens - 1) // self.min_split_tokens, self.max_splits)
+        return torch.minimum(by_len, cap).clamp_min(1).to(torch.int32)
+
+    def splits_for(self, kv_len: int) -> int:
+        """Host integer: the split count of one sequence of ``kv_len`` INT2 tokens."""
+        return int(self.num_splits(torch.tensor([kv_len]))[0])
+
+
+@triton.jit
+def split_count(kv_len, split_tokens, min_splits, min_split_tokens, max_splits):
+    """Triton twin of :meth:`SplitPolicy.num_splits` (element-wise)."""
+    n = tl.maximum(kv_len, 1)
+    by_len = tl.maximum(tl.cdiv(n, split_tokens), min_splits)
+    cap = tl.minimum(tl.cdiv(n, min_split_tokens), max_splits)
+    return tl.maximum(tl.minimum(by_len, cap), 1)
+
+
+_UNBOUNDED = 2**30
+
+
+def split_policy(batch: int, kv_heads: int, max_kv_len: int, row_kernel: bool = False, max_splits: int | None = None,
+                 min_programs: int | None = None, split_tokens: int | None = None) -> SplitPolicy:
+    """The split policy for a batch of ``batch`` sequences of at most ``max_kv_len`` INT2 tokens (host ints only).
+
+    ``min_splits = ceil(min_programs / (batch * kv_heads))``; ``max_splits`` defaults to the count of a sequence of
+    ``max_kv_len`` tokens, so a uniform batch at the bound gets exactly the counts the measured defaults were taken
+    with (``default_num_splits`` before the device split counts: RESULTS.md, commits 529689a and dda96f4). Defaults
+    per path: ``ROWS_*`` for the row-scale kernel, ``DEFAULT_*`` for the general one."""
     if min_programs is None:
         min_programs = ROWS_MIN_PROGRAMS if row_kernel else DEFAULT_MIN_PROGRAMS
     if split_tokens is None:
         split_tokens = ROWS_SPLIT_TOKENS if row_kernel else DEFAULT_SPLIT_TOKENS
-    by_len = triton.cdiv(max(max_kv_len, 1), split_tokens)
-    by_programs = triton.cdiv(min_programs, batch * kv_heads)
-    return max(1, min(max(by_len, by_programs), triton.cdiv(max(max_kv_len, 1), 256)))
+    policy = SplitPolicy(split_tokens, triton.cdiv(min_programs, max(batch * kv_heads, 1)), MIN_SPLIT_TOKENS,
+                         _UNBOUNDED)
+    if max_splits is None:
+        max_splits = policy.splits_for(max_kv_len)
+    if max_splits < 1:
+        raise ValueError(f"max_splits must be >= 1, got {max_splits}")
+    return dataclasses.replace(policy, max_splits=max_splits)
 
 
-def _check_pool(name, codes, scale, zero, hkv, d, g):
-    if codes.dtype != torch.uint8 or codes.dim() != 3 or codes.shape[1:] != (hkv, d // CODES_PER_BYTE) or codes.stride(-1) != 1:
-        raise ValueError(f"{name}_codes must be uint8 [S, {hkv}, {d // 4}] with contiguous last dim, got {codes.dtype} {tuple(codes.shape)}")
-    for what, t in (("scale", scale), ("zero", zero)):
-        if t.dtype != torch.float16 or t.shape != (codes.shape[0], hkv, d // g) or t.stride(-1) != 1:
-            raise ValueError(f"{name}_{what} must be fp16 [{codes.shape[0]}, {hkv}, {d // g}] with contiguous last dim")
+def default_num_splits(batch: int, kv_heads: int, max_kv_len: int, row_kernel: bool = False,
+                       min_programs: int | None = None, split_tokens: int | None = None) -> int:
+    """INT2 splits of a uniform batch at ``max_kv_len`` (the grid bound ``max_splits`` of :func:`split_policy`)."""
+    return split_policy(batch, kv_heads, max_kv_len, row_kernel, None, min_programs, split_tokens).max_splits
 
 
-def _check_rot(name, rot, hkv, d):
-    if rot.dtype != torch.float32 or rot.dim() != 3 or rot.shape[0] not in (1, hkv) or rot.shape[1:] != (d, d):
-        raise ValueError(f"{name} must be fp32 [{hkv} or 1, {d}, {d}], got {rot.dtype} {tuple(rot.shape)}")
+# ---------------------------------------------------------------------------------------------------------------
+# launcher
 
 
-def _check_bf16(k_bf16, v_bf16, hkv, d):
-    for name, t in (("k_bf16", k_bf16), ("v_bf16", v_bf16)):
-        if t.dtype != torch.bfloat16 or t.dim() != 3 or t.shape[1:] != (hkv, d) or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be bf16 [S_bf16, {hkv}, {d}] with contiguous last dim, "
-                             f"got {t.dtype} {tuple(t.shape)}")
+@dataclass(frozen=True)
+class DecodeIndex:
+    """What one decode step of a batch reads (made per batch by :class:`oscar_kernels.plan.DecodePlan`).
+
+    * ``kv_indptr`` int32 ``[B + 1]``, ``kv_indices`` int32 ``[>= nnz]``: INT2 slots of each sequence;
+    * ``bf16_indptr`` int32 ``[B + 1]``, ``bf16_indices`` int32 ``[>= nnz_bf16]``: exact rows of each sequence;
+    * ``num_splits`` int32 ``[B]`` device tensor: INT2 splits per sequence (clamped to ``[1, max_splits]``);
+    * ``max_splits``: host int, the grid's split bound (the workspace holds ``max_splits + 1`` partials).
+    """
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    bf16_indptr: torch.Tensor
+    bf16_indices: torch.Tensor
+    num_splits: torch.Tensor
+    max_splits: int
+
+    @property
+    def batch(self) -> int:
+        return self.kv_indptr.shape[0] - 1
+
+    def check(self, batch: int) -> None:
+        check_index("kv", self.kv_indptr, self.kv_indices, batch)
+        check_index("bf16", self.bf16_indptr, self.bf16_indices, batch)
+        check_seq("num_splits", self.num_splits, batch)
+        if not isinstance(self.max_splits, int) or self.max_splits < 1:
+            raise ValueError(f"max_splits must be a host int >= 1, got {self.max_splits!r}")
 
 
-def _check_index(name, indptr, indices, batch):
-    if indptr.dtype != torch.int32 or indptr.shape != (batch + 1,):
-        raise ValueError(f"{name}_indptr must be int32 [{batch + 1}]")
-    if indices.dtype != torch.int32 or indices.dim() != 1:
-        raise ValueError(f"{name}_indices must be int32 [nnz]")
+def row_path(cache: LayerCache, row_kernel: bool | None = None) -> bool:
+    """Whether :func:`decode_int2` takes the row-scale fast path for ``cache`` (``row_kernel=None``: when it can:
+    ``g = d >= 128`` and code pools readable as int16 words); ``row_kernel=True`` where it cannot is an error."""
+    can = cache.group_size == cache.head_dim >= 128 and cache.k.words is not None and cache.v.words is not None
+    if row_kernel and not can:
+        raise ValueError("row_kernel needs group_size == head_dim >= 128 and code pools with even strides")
+    return can if row_kernel is None else bool(row_kernel)
 
 
-def decode_workspace(batch: int, q_heads: int, head_dim: int, num_splits: int,
+def decode_index(cache: LayerCache, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, bf16_indptr: torch.Tensor,
+                 bf16_indices: torch.Tensor, max_kv_len: int, max_splits: int | None = None,
+                 row_kernel: bool | None = None) -> DecodeIndex:
+    """A :class:`DecodeIndex` over caller-built lists, split counts from :func:`split_policy` evaluated on the
+    device (``max_kv_len``: host bound of the INT2 lengths)."""
+    policy = split_policy(kv_indptr.shape[0] - 1, cache.kv_heads, max_kv_len, row_path(cache, row_kernel), max_splits)
+    return DecodeIndex(kv_indptr, kv_indices, bf16_indptr, bf16_indices,
+                       policy.num_splits(kv_indptr[1:] - kv_indptr[:-1]), policy.max_splits)
+
+
+def decode_workspace(batch: int, q_heads: int, head_dim: int, max_splits: int,
                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scratch for :func:`decode_int2` (pass it to reuse buffers, e.g. inside a CUDA graph):
-    ``part_o`` fp32 ``[B, Hq, num_splits + 1, d]``, ``part_lse`` fp32 ``[B, Hq, num_splits + 1]``, ``q_rot`` fp32 ``[B, Hq, d]``."""
-    return (torch.empty(batch, q_heads, num_splits + 1, head_dim, dtype=torch.float32, device=device),
-            torch.empty(batch, q_heads, num_splits + 1, dtype=torch.float32, device=device),
+    ``part_o`` fp32 ``[B, Hq, max_splits + 1, d]``, ``part_lse`` fp32 ``[B, Hq, max_splits + 1]``, ``q_rot`` fp32
+    ``[B, Hq, d]``."""
+    return (torch.empty(batch, q_heads, max_splits + 1, head_dim, dtype=torch.float32, device=device),
+            torch.empty(batch, q_heads, max_splits + 1, dtype=torch.float32, device=device),
             torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=device))
-
-
-def _words(codes: torch.Tensor) -> torch.Tensor | None:
-    """The uint8 code pool viewed as int16 words (two bytes each), or None when its strides do not allow it."""
-    try:
-        return codes.view(torch.int16)
-    except RuntimeError:
-        return None
-
-
-def _max_offset(*ts: torch.Tensor) -> int:
-    """Largest element offset any of ``ts`` can be indexed at."""
-    return max(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) for t in ts if t.numel())
 
 
 def decode_int2(
     q: torch.Tensor,
-    rot_k: torch.Tensor,
-    rot_v: torch.Tensor,
-    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
-    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-    k_bf16: torch.Tensor, v_bf16: torch.Tensor,
-    bf16_indptr: torch.Tensor, bf16_indices: torch.Tensor,
-    max_kv_len: int,
-    group_size: int | None = None,
-    sm_scale: float | None = None,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,
+    cache: LayerCache,
+    index: DecodeIndex,
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    sm_scale: float | None = None,
     block_n: int | None = None,
     num_stages: int | None = None,
     num_warps: int | None = None,
@@ -650,169 +757,139 @@ def decode_int2(
     row_kernel: bool | None = None,
     max_registers: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention of one query per sequence over INT2 + BF16 cached tokens.
+    """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
     Args:
         q: bf16/fp16/fp32 ``[B, Hq, d]`` un-rotated queries (``Hq`` a multiple of ``Hkv``; any strides).
-        rot_k, rot_v: fp32 ``[Hkv or 1, d, d]`` rotations (``k' = k @ rot_k[h]``).
-        k_codes, v_codes: uint8 ``[S, Hkv, d/4]`` INT2 slot pools; k/v_scale, k/v_zero: fp16 ``[S, Hkv, d/g]``.
-        kv_indptr: int32 ``[B + 1]``, kv_indices: int32 ``[nnz]``: INT2 slots of each sequence.
-        k_bf16, v_bf16: bf16 ``[S_bf16, Hkv, d]`` rotated sink/recent pools.
-        bf16_indptr: int32 ``[B + 1]``, bf16_indices: int32 ``[nnz_bf16]``: BF16 slots of each sequence.
-        max_kv_len: host upper bound of any sequence's INT2 length (sets the default split count only).
-        group_size: quantisation group ``g`` (default ``d``).
-        sm_scale: softmax scale (default ``1/sqrt(d)``).
-        num_splits: INT2 splits per sequence (default :func:`default_num_splits`); fix it for CUDA graphs.
+        cache: the layer's :class:`~oscar_kernels.layout.LayerCache` (INT2 pools, exact rows, rotations).
+        index: :class:`DecodeIndex` of the batch (lists, per-sequence split counts, ``max_splits``).
+        workspace: optional :func:`decode_workspace` ``(B, Hq, d, index.max_splits)`` buffers, to avoid allocations
+            inside a captured graph.
         out: optional ``[B, Hq, d]`` output (default: new tensor of ``q.dtype``).
-        workspace: optional :func:`decode_workspace` buffers, to avoid allocations inside a captured graph.
+        sm_scale: softmax scale (default ``1/sqrt(d)``).
         block_n, num_stages, num_warps: INT2 tokens per tile, Triton pipelining depth and warps of the split
-            kernel (defaults per path: ``ROWS_*`` for the row-scale path, ``DEFAULT_*``/``SMALL_BATCH_WARPS`` otherwise).
+            kernel (defaults per path: ``ROWS_*`` for the row-scale path; ``DEFAULT_BLOCK_N``, ``GENERAL_STAGES``,
+            ``SMALL_BATCH_WARPS`` / ``GENERAL_WARPS`` otherwise).
         ptx_unpack: general path only: unpack codes with the PTX magic-number trick (default: on CUDA, ``g = d``).
-        row_kernel: use the row-scale fast path (default: when ``g = d >= 128`` and the pools can be read as
-            int16 words); ``False`` forces the general path.
+        row_kernel: use the row-scale fast path (default: :func:`row_path`); ``False`` forces the general path.
         max_registers: register cap per thread of the row-scale split kernel (Triton's ``maxnreg``; default
-            ``ROWS_MAX_REGISTERS`` from ``ROWS_CAPPED_PROGRAMS`` split programs on, else none; 0 for none).
+            ``ROWS_MAX_REGISTERS`` from ``ROWS_CAPPED_PROGRAMS`` launched split programs on, else none; 0 for none).
 
     Returns:
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
     """
     bsz, hq, d = q.shape
-    hkv = k_codes.shape[1]
-    g = group_size or d
-    check_group_size(d, g)
+    hkv = cache.kv_heads
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"q must be bf16/fp16/fp32, got {q.dtype}")
+    if d != cache.head_dim:
+        raise ValueError(f"q head dim {d} does not match the cache's {cache.head_dim}")
     if hq % hkv:
         raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
-    _check_pool("k", k_codes, k_scale, k_zero, hkv, d, g)
-    _check_pool("v", v_codes, v_scale, v_zero, hkv, d, g)
-    if v_codes.shape[0] != k_codes.shape[0]:
-        raise ValueError("k and v INT2 pools must have the same number of slots")
-    _check_rot("rot_k", rot_k, hkv, d)
-    _check_rot("rot_v", rot_v, hkv, d)
-    _check_index("kv", kv_indptr, kv_indices, bsz)
-    _check_index("bf16", bf16_indptr, bf16_indices, bsz)
-    _check_bf16(k_bf16, v_bf16, hkv, d)
+    index.check(bsz)
     gqa = hq // hkv
+    g = cache.group_size
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    k_words = v_words = None
-    if row_kernel is None or row_kernel:
-        k_words, v_words = _words(k_codes), _words(v_codes)
-        can_rows = g == d and d >= 128 and k_words is not None and v_words is not None
-        if row_kernel and not can_rows:
-            raise ValueError("row_kernel needs group_size == head_dim >= 128 and code pools with even strides")
-        row_kernel = can_rows
-    if num_splits is None:
-        num_splits = default_num_splits(bsz, hkv, max_kv_len, row_kernel)
-    parts = num_splits + 1
+    row_kernel = row_path(cache, row_kernel)
+    max_splits = index.max_splits
+    parts = max_splits + 1
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape:
         raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
     if workspace is None:
-        workspace = decode_workspace(bsz, hq, d, num_splits, q.device)
+        workspace = decode_workspace(bsz, hq, d, max_splits, q.device)
     part_o, part_lse, q_rot = workspace
     if part_o.shape != (bsz, hq, parts, d) or part_lse.shape != (bsz, hq, parts) or q_rot.shape != (bsz, hq, d) \
             or part_o.stride(-1) != 1 or part_lse.stride(-1) != 1 or q_rot.stride(-1) != 1 \
             or any(t.dtype != torch.float32 for t in workspace):
-        raise ValueError(f"workspace must be decode_workspace({bsz}, {hq}, {d}, {num_splits})")
+        raise ValueError(f"workspace must be decode_workspace({bsz}, {hq}, {d}, {max_splits})")
     if bsz == 0:
         return out
     fp32_dot = _interpreting() or q.device.type != "cuda"
+    k, v = cache.k, cache.v
     _rotate_q_kernel[(bsz, hkv)](
-        q, rot_k, q_rot, sm_scale * math.log2(math.e),
-        *q.stride(), *rot_k.stride(), q_rot.stride(0), q_rot.stride(1),
-        GQA=gqa, BLOCK_H=triton.next_power_of_2(gqa), HEAD_DIM=d, BLOCK_C=min(d, 64),
-        ROT_PER_HEAD=rot_k.shape[0] > 1, num_warps=4,
+        q, cache.rot_k, q_rot, sm_scale * math.log2(math.e),
+        *q.stride(), *cache.rot_k.stride(), q_rot.stride(0), q_rot.stride(1),
+        GQA=gqa, BLOCK_H=triton.next_power_of_2(gqa), HEAD_DIM=d, BLOCK_C=min(d, Q_ROT_BLOCK_C),
+        ROT_PER_HEAD=cache.rot_k.shape[0] > 1, num_warps=Q_ROT_WARPS,
     )
     if row_kernel:
-        if max_registers is None and bsz * hkv * num_splits >= ROWS_CAPPED_PROGRAMS:
+        if max_registers is None and bsz * hkv * max_splits >= ROWS_CAPPED_PROGRAMS:
             max_registers = ROWS_MAX_REGISTERS
-        off64 = max(_max_offset(k_words, v_words, k_scale, k_zero, v_scale, v_zero), 0) >= 2**31
+        kw, vw = k.words, v.words
         _decode_rows_kernel[(bsz, hkv, parts)](
             q_rot,
-            k_words, k_scale, k_zero, v_words, v_scale, v_zero,
-            k_bf16, v_bf16,
-            kv_indptr, kv_indices, bf16_indptr, bf16_indices,
-            part_o, part_lse,
-            num_splits,
+            kw, k.scale, k.zero, vw, v.scale, v.zero,
+            cache.k_bf16, cache.v_bf16,
+            index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
+            part_o, part_lse, index.num_splits,
+            max_splits,
             q_rot.stride(0), q_rot.stride(1),
-            k_words.stride(0), k_words.stride(1), k_scale.stride(0), k_scale.stride(1), k_zero.stride(0), k_zero.stride(1),
-            v_words.stride(0), v_words.stride(1), v_scale.stride(0), v_scale.stride(1), v_zero.stride(0), v_zero.stride(1),
-            k_bf16.stride(0), k_bf16.stride(1), v_bf16.stride(0), v_bf16.stride(1),
+            kw.stride(0), kw.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0), k.zero.stride(1),
+            vw.stride(0), vw.stride(1), v.scale.stride(0), v.scale.stride(1), v.zero.stride(0), v.zero.stride(1),
+            cache.k_bf16.stride(0), cache.k_bf16.stride(1), cache.v_bf16.stride(0), cache.v_bf16.stride(1),
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             GQA=gqa, BLOCK_H=max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d,
-            BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=32,
+            BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=BF16_BLOCK_N,
             MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
-            BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=off64,
+            BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
             num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES,
             **({"maxnreg": max_registers} if max_registers else {}),
         )
     else:
-        # GQA group padded to the 16-row minimum of a tensor-core dot; BF16 tiles of 32 tokens (segments are short).
-        block_h = max(16, triton.next_power_of_2(gqa))
         if num_warps is None:
-            num_warps = SMALL_BATCH_WARPS if bsz * hkv <= 16 else 4
+            num_warps = SMALL_BATCH_WARPS if bsz * hkv <= 16 else GENERAL_WARPS
         if ptx_unpack is None:
             ptx_unpack = not fp32_dot and g == d
         _decode_int2_kernel[(bsz, hkv, parts)](
             q_rot,
-            k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-            k_bf16, v_bf16,
-            kv_indptr, kv_indices, bf16_indptr, bf16_indices,
-            part_o, part_lse,
-            num_splits,
+            k.codes, k.scale, k.zero, v.codes, v.scale, v.zero,
+            cache.k_bf16, cache.v_bf16,
+            index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
+            part_o, part_lse, index.num_splits,
+            max_splits,
             q_rot.stride(0), q_rot.stride(1),
-            k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1), k_zero.stride(0), k_zero.stride(1),
-            v_codes.stride(0), v_codes.stride(1), v_scale.stride(0), v_scale.stride(1), v_zero.stride(0), v_zero.stride(1),
-            *k_bf16.stride(), *v_bf16.stride(),
+            k.codes.stride(0), k.codes.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0), k.zero.stride(1),
+            v.codes.stride(0), v.codes.stride(1), v.scale.stride(0), v.scale.stride(1), v.zero.stride(0), v.zero.stride(1),
+            *cache.k_bf16.stride(), *cache.v_bf16.stride(),
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1),
-            GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d, GROUP_SIZE=g,
-            BLOCK_N=block_n or DEFAULT_BLOCK_N, BLOCK_NB=32,
+            GQA=gqa, BLOCK_H=max(GENERAL_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d, GROUP_SIZE=g,
+            BLOCK_N=block_n or DEFAULT_BLOCK_N, BLOCK_NB=BF16_BLOCK_N,
             QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
             PTX_UNPACK=bool(ptx_unpack),
-            num_warps=num_warps, num_stages=num_stages or 2,
+            num_warps=num_warps, num_stages=num_stages or GENERAL_STAGES,
         )
     _decode_int2_merge_kernel[(bsz, hkv)](
-        part_o, part_lse, rot_v, out,
-        parts,
+        part_o, part_lse, index.num_splits, cache.rot_v, out,
+        max_splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        *rot_v.stride(),
+        *cache.rot_v.stride(),
         *out.stride(),
-        GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)), HEAD_DIM=d,
-        BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=rot_v.shape[0] > 1,
-        num_warps=4,
+        GQA=gqa, BLOCK_H=max(MERGE_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d,
+        BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1,
+        num_warps=MERGE_WARPS,
     )
     return out
 
 
-def decode_int2_ref(
-    q: torch.Tensor,
-    rot_k: torch.Tensor,
-    rot_v: torch.Tensor,
-    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
-    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-    k_bf16: torch.Tensor, v_bf16: torch.Tensor,
-    bf16_indptr: torch.Tensor, bf16_indices: torch.Tensor,
-    group_size: int | None = None,
-    sm_scale: float | None = None,
-) -> torch.Tensor:
-    """Plain fp32 torch definition of :func:`decode_int2`; returns fp32 ``[B, Hq, d]``."""
+def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_scale: float | None = None) -> torch.Tensor:
+    """Plain fp32 torch definition of :func:`decode_int2` (split counts do not change the result); returns fp32
+    ``[B, Hq, d]``."""
     bsz, hq, d = q.shape
-    hkv = k_codes.shape[1]
-    g = group_size or d
+    hkv = cache.kv_heads
     gqa = hq // hkv
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    rk = rot_k.float().expand(hkv, d, d)
-    rv = rot_v.float().expand(hkv, d, d)
+    rk = cache.rot_k.float().expand(hkv, d, d)
+    rv = cache.rot_v.float().expand(hkv, d, d)
     out = torch.empty(bsz, hq, d, dtype=torch.float32, device=q.device)
+    lists = (index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices)
     for b in range(bsz):
-        k = cached_rows_ref(k_codes, k_scale, k_zero, k_bf16, kv_indptr, kv_indices, bf16_indptr, bf16_indices, b, g)
-        v = cached_rows_ref(v_codes, v_scale, v_zero, v_bf16, kv_indptr, kv_indices, bf16_indptr, bf16_indices, b, g)
+        k = cached_rows_ref(cache.k, cache.k_bf16, *lists, b)
+        v = cached_rows_ref(cache.v, cache.v_bf16, *lists, b)
         for h in range(hq):
             kh = h // gqa
             qr = q[b, h].float() @ rk[kh]

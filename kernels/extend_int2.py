@@ -1,42 +1,113 @@
-"""Prefill/extend attention: new tokens attend causally to themselves (BF16) and to the cached INT2 + BF16 tokens.
+"""Prefill/extend attention under position-wise windows ("Design P") over INT2 slots and exact rows.
 
-Math, for sequence ``b``, new token ``i`` (0-based within the chunk ``qo_indptr[b] : qo_indptr[b+1]``) and query
-head ``h`` (KV head ``kh = h // (Hq / Hkv)``): ``q' = q @ R_K[kh]``; keys ``K'`` = the sequence's INT2 slots
-(``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, dequantised ``code*s + z``), its BF16 slots
-(``bf16_indices[...]``, already rotated) and the chunk's own rotated keys ``k_new[j] @ R_K``, ``j <= i``
-(every cached token precedes the chunk); values likewise with ``R_V``;
-``o = softmax(sm_scale * q' K'^T) V' R_V^T``.
+Math. Sequence ``b`` has its first real token at position ``start_b`` (0 in SGLang; > 0 under left padding),
+``sink_end_b = start_b + sink``; its chunk of new tokens are rows ``qo_indptr[b] : qo_indptr[b+1]`` of ``q``, the
+chunk's token ``i`` sitting at absolute position ``t = q_pos0_b + i`` (``q_pos0_b`` = cached prefix length). With
+``q' = q @ R_K[kh]`` (``kh = h // (Hq / Hkv)``), the query at ``t`` attends every key ``j`` with ``start <= j <= t``,
+reading it
+
+* EXACTLY (bf16, rotated) when ``j < sink_end`` (a sink) or ``j > t - recent`` (its recent window, its own token
+  included when ``recent >= 1``);
+* through its INT2 code (dequantised ``code*s + z``) otherwise,
+
+``o = softmax(sm_scale * q' K'^T) V' R_V^T``. The keys come from three lists, each with its own mask:
+
+* INT2 slots ``kv_indices[kv_indptr[b] : kv_indptr[b+1]]``; element ``e`` is position ``sink_end_b + e`` (the list
+  runs over ``[sink_end, c1 - recent)``, the chunk's own tokens included: their codes are written before the kernel).
+  Used iff ``j <= t - recent``.
+* Cached exact rows ``bf16_indices[bf16_indptr[b] : ...]`` at positions ``bf16_pos[...]`` (sinks and ring of the
+  prefix). Used iff ``j < sink_end or j > t - recent``.
+* The chunk's own rotated keys/values (exact): position ``q_pos0 + e``. Used iff
+  ``start <= j <= t and (j < sink_end or j > t - recent)``.
+
+Queries before ``start`` (padding) see no key and output 0 (any finite value is allowed there).
 
 Packed layout (see :mod:`oscar_kernels.layout`): codes uint8 ``[S, Hkv, d/4]``, byte ``k*B + b`` of a row
 (``B = g/4``) holds rotated elements ``k*g + b + j*B`` at bit shift ``2j``; scale/zero fp16 ``[S, Hkv, d/g]``.
 The kernel works on the four bit-plane quarters of each row, so INT2 tiles are dequantised
 (``code*s + z``, per element) with no reshuffle and dotted quarter by quarter.
 
-Kernel: one program per (sequence, query head, block of ``BLOCK_M`` new tokens); grid
-``(B, Hq, ceil(max_new_len / BLOCK_M))`` with ``max_new_len`` a host bound, so no host synchronisation.
-The rotations of ``q``, of the new ``k``/``v`` and of the output (``R_V^T``) are separate batched matmuls in
-the launcher: prefill is bound by the attention dots, and a ``[N, d] x [d, d]`` matmul per head is a small
-fraction of them (``2 N d^2`` against ``~2 N L d`` flops, ``L`` >> ``d``).
+Kernel: one program per (sequence, KV head, block of new tokens); grid ``(B, Hkv, ceil(max_new_len / BLOCK_T))``
+with ``max_new_len`` a host bound, so no host synchronisation. The M dimension of every tensor-core product is
+``BLOCK_T`` tokens x the ``Hq / Hkv`` query heads of the KV head (padded to a power of two), so all GQA heads share
+each loaded key/value tile. Tiles no row of the block can use are skipped: INT2 tiles past ``t_max - recent``,
+chunk tiles in the gap between the chunk's sinks and the window of the block's first query, cached exact tiles
+whose positions are neither sinks nor inside that window. The rotations of ``q``, of the new ``k``/``v`` and of the
+output (``R_V^T``) are batched matmuls in the launcher: prefill is bound by the attention dots, and a
+``[N, d] x [d, d]`` matmul per head is a small fraction of them (``2 N d^2`` against ``~2 N L d`` flops).
 
-Exact vs approximate: on GPU ``q'`` (scaled by ``sm_scale * log2 e``) and keys are rounded to fp16, ``p`` and
-values to bf16 for the tensor-core dots (fp32 accumulation); tested at <= 1e-2 relative error against the
-fp32 ``_ref``. Under ``TRITON_INTERPRET=1`` every dot runs in fp32.
+Exact vs approximate: the chunk's rotated keys/values are rounded to bf16 (as their exact rows are stored), so a
+key reads the same whether it comes from the chunk or from the cache. On GPU ``q'`` (scaled by
+``sm_scale * log2 e``) and keys are rounded to fp16, ``p`` and values to bf16 for the tensor-core dots (fp32
+accumulation); tested at <= 1e-2 relative error against the fp32 ``_ref`` by a GPU run. Under
+``TRITON_INTERPRET=1`` every dot runs in fp32.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .layout import cached_rows_ref, check_group_size
+from .layout import LayerCache, _interpreting, check_index, check_seq, dequantize_ref
 
 DEFAULT_BLOCK_M = 64
-"""New tokens per program."""
+"""Rows of the M dimension per program: ``BLOCK_T = DEFAULT_BLOCK_M / GQA_P`` tokens times the padded GQA group
+(64 = the 64-token tile of the previous, one-head-per-program kernel; not measured on a GPU yet)."""
 DEFAULT_BLOCK_N = 64
-"""Keys per inner-loop tile."""
+"""Keys per inner-loop tile (kept from the previous kernel; not measured on a GPU yet)."""
+DEFAULT_WARPS = 4
+"""Warps per program (kept from the previous kernel; not measured)."""
+DEFAULT_STAGES = 2
+"""Triton pipelining depth (kept from the previous kernel; not measured)."""
+
+
+@dataclass(frozen=True)
+class ExtendIndex:
+    """What one extend (prefill) step of a batch reads (made per batch by :class:`oscar_kernels.plan.ExtendPlan`).
+
+    * ``qo_indptr`` int32 ``[B + 1]``: sequence ``b``'s new tokens are rows ``qo_indptr[b] : qo_indptr[b+1]``;
+    * ``q_pos0`` int32 ``[B]``: absolute position of each chunk's first token (the cached prefix length);
+    * ``start`` int32 ``[B]``: position of each sequence's first real token;
+    * ``kv_indptr`` int32 ``[B + 1]``, ``kv_indices`` int32: INT2 slots of positions ``sink_end, sink_end + 1, ...``;
+    * ``bf16_indptr`` int32 ``[B + 1]``, ``bf16_indices`` int32, ``bf16_pos`` int32 (same length as
+      ``bf16_indices``): cached exact rows of the prefix and their absolute positions;
+    * ``max_new_len``: host int bound of any chunk's length (sets the grid); ``sink``, ``recent``: the scheme's
+      windows.
+    """
+
+    qo_indptr: torch.Tensor
+    q_pos0: torch.Tensor
+    start: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    bf16_indptr: torch.Tensor
+    bf16_indices: torch.Tensor
+    bf16_pos: torch.Tensor
+    max_new_len: int
+    sink: int
+    recent: int
+
+    @property
+    def batch(self) -> int:
+        return self.qo_indptr.shape[0] - 1
+
+    def check(self) -> None:
+        bsz = self.batch
+        check_seq("qo_indptr", self.qo_indptr, bsz + 1)
+        check_seq("q_pos0", self.q_pos0, bsz)
+        check_seq("start", self.start, bsz)
+        check_index("kv", self.kv_indptr, self.kv_indices, bsz)
+        check_index("bf16", self.bf16_indptr, self.bf16_indices, bsz)
+        if self.bf16_pos.dtype != torch.int32 or self.bf16_pos.shape != self.bf16_indices.shape:
+            raise ValueError("bf16_pos must be int32 with the shape of bf16_indices")
+        for name in ("max_new_len", "sink", "recent"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a host int >= 0, got {v!r}")
 
 
 @triton.jit
@@ -56,24 +127,43 @@ def _softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3, v0, v1, v2, v3, PV_T: tl.
 
 
 @triton.jit
+def _exact_tile(q0, q1, q2, q3, K, V, rows, mask_n, stride_ks, stride_kh, stride_vs, stride_vh, kvh, col0,
+                BQ: tl.constexpr, QK_T: tl.constexpr):
+    """Scores and value quarters of one tile of exact (bf16 or fp32) rows ``rows`` [N] (masked rows read 0)."""
+    mn = mask_n[:, None]
+    k_rows = K + rows[:, None] * stride_ks + kvh * stride_kh
+    v_rows = V + rows[:, None] * stride_vs + kvh * stride_vh
+    s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
+    s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
+    s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
+    s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
+    v0 = tl.load(v_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0)
+    v1 = tl.load(v_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0)
+    v2 = tl.load(v_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0)
+    v3 = tl.load(v_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0)
+    return s, v0, v1, v2, v3
+
+
+@triton.jit
 def _extend_int2_kernel(
-    Q, K_NEW, V_NEW, QO_INDPTR,
+    Q, K_NEW, V_NEW, QO_INDPTR, Q_POS0, START,
     K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
     K_BF16, V_BF16,
-    KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
+    KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES, BF16_POS,
     OUT,
+    sink, recent,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh,
     stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     stride_on, stride_oh,
-    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_T: tl.constexpr, PV_T: tl.constexpr,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QK_T: tl.constexpr, PV_T: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     mb = tl.program_id(2)
-    kvh = h // GQA
+    M: tl.constexpr = BLOCK_T * BLOCK_H
     D4: tl.constexpr = HEAD_DIM // 4
     BQ: tl.constexpr = GROUP_SIZE // 4
     offs_m = tl.arange(0, D4)
@@ -82,94 +172,102 @@ def _extend_int2_kernel(
 
     q_start = tl.load(QO_INDPTR + b)
     q_len = tl.load(QO_INDPTR + b + 1) - q_start
-    if mb * BLOCK_M < q_len:
-        offs_q = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_q = offs_q < q_len
-        q_rows = Q + (q_start + offs_q).to(tl.int64)[:, None] * stride_qn + h * stride_qh
-        mq = mask_q[:, None]
+    i0 = mb * BLOCK_T
+    if i0 < q_len:
+        i1 = tl.minimum(i0 + BLOCK_T, q_len)
+        pos0 = tl.load(Q_POS0 + b)
+        first = tl.load(START + b)
+        sink_end = first + sink
+        # M rows: token (i0 + r // BLOCK_H) of the chunk, query head kvh * GQA + r % BLOCK_H
+        offs_r = tl.arange(0, M)
+        tok = i0 + offs_r // BLOCK_H
+        hh = offs_r % BLOCK_H
+        mask_r = (tok < q_len) & (hh < GQA)
+        t = pos0 + tok  # absolute query positions [M]
+        t_win = t - recent  # keys j > t_win are in the row's recent window
+        q_rows = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qn + (kvh * GQA + hh)[:, None] * stride_qh
+        mq = mask_r[:, None]
         q0 = tl.load(q_rows + (col0 + 0 * BQ)[None, :], mask=mq, other=0.0).to(QK_T)
         q1 = tl.load(q_rows + (col0 + 1 * BQ)[None, :], mask=mq, other=0.0).to(QK_T)
         q2 = tl.load(q_rows + (col0 + 2 * BQ)[None, :], mask=mq, other=0.0).to(QK_T)
         q3 = tl.load(q_rows + (col0 + 3 * BQ)[None, :], mask=mq, other=0.0).to(QK_T)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc0 = tl.zeros([BLOCK_M, D4], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, D4], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, D4], tl.float32)
-        acc3 = tl.zeros([BLOCK_M, D4], tl.float32)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc0 = tl.zeros([M, D4], tl.float32)
+        acc1 = tl.zeros([M, D4], tl.float32)
+        acc2 = tl.zeros([M, D4], tl.float32)
+        acc3 = tl.zeros([M, D4], tl.float32)
 
-        # ---- cached INT2 prefix ----
+        # ---- INT2 slots: element e is position sink_end + e, used iff sink_end + e <= t - recent ----
         kv_start = tl.load(KV_INDPTR + b)
         kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
-        for start in range(0, kv_len, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < kv_len
+        t_last = pos0 + i1 - 1  # the block's last query
+        n_int2 = tl.minimum(tl.maximum(t_last - recent - sink_end + 1, 0), kv_len)  # later tiles: no row uses them
+        for e0 in range(0, n_int2, BLOCK_N):
+            offs_n = e0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_int2
             slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+            mn = mask_n[:, None]
             kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
-            ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :],
-                         mask=mask_n[:, None], other=0.0).to(tl.float32)
-            kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :],
-                         mask=mask_n[:, None], other=0.0).to(tl.float32)
+            ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :], mask=mn, other=0.0)
+            kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :], mask=mn, other=0.0)
+            ks = ks.to(tl.float32)
+            kz = kz.to(tl.float32)
             s = tl.dot(q0, tl.trans(((kc & 3).to(tl.float32) * ks + kz).to(QK_T)))
             s += tl.dot(q1, tl.trans((((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T)))
             s += tl.dot(q2, tl.trans((((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T)))
             s += tl.dot(q3, tl.trans(((kc >> 6).to(tl.float32) * ks + kz).to(QK_T)))
-            s = tl.where(mask_n[None, :], s, float("-inf"))
+            use = mask_n[None, :] & ((sink_end + offs_n)[None, :] <= t_win[:, None])
+            s = tl.where(use, s, float("-inf"))
             vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
-            vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :],
-                         mask=mask_n[:, None], other=0.0).to(tl.float32)
-            vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :],
-                         mask=mask_n[:, None], other=0.0).to(tl.float32)
+            vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :], mask=mn, other=0.0)
+            vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :], mask=mn, other=0.0)
+            vs = vs.to(tl.float32)
+            vz = vz.to(tl.float32)
             m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_step(
                 s, m_i, l_i, acc0, acc1, acc2, acc3,
                 (vc & 3).to(tl.float32) * vs + vz, ((vc >> 2) & 3).to(tl.float32) * vs + vz,
                 ((vc >> 4) & 3).to(tl.float32) * vs + vz, (vc >> 6).to(tl.float32) * vs + vz, PV_T)
 
-        # ---- cached BF16 sink/recent segment ----
+        # ---- cached exact rows (prefix sinks and ring): used iff j < sink_end or j > t - recent ----
         bf_start = tl.load(BF16_INDPTR + b)
         bf_len = tl.load(BF16_INDPTR + b + 1) - bf_start
-        for start in range(0, bf_len, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+        win_lo = pos0 + i0 - recent  # the block's first query's window: j > win_lo; later rows' windows are inside
+        for e0 in range(0, bf_len, BLOCK_N):
+            offs_n = e0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < bf_len
-            slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k_rows = K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh
-            v_rows = V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh
-            mn = mask_n[:, None]
-            s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :]).to(QK_T)))
-            s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :]).to(QK_T)))
-            s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :]).to(QK_T)))
-            s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :]).to(QK_T)))
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_step(
-                s, m_i, l_i, acc0, acc1, acc2, acc3,
-                tl.load(v_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0),
-                tl.load(v_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0),
-                tl.load(v_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0),
-                tl.load(v_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0), PV_T)
+            pos = tl.load(BF16_POS + bf_start + offs_n, mask=mask_n, other=0)
+            wanted = mask_n & ((pos < sink_end) | (pos > win_lo))
+            if tl.max(wanted.to(tl.int32), 0) > 0:  # some row of the block uses this tile
+                rows = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+                s, v0, v1, v2, v3 = _exact_tile(q0, q1, q2, q3, K_BF16, V_BF16, rows, mask_n, stride_kbs, stride_kbh,
+                                                stride_vbs, stride_vbh, kvh, col0, BQ, QK_T)
+                use = mask_n[None, :] & ((pos[None, :] < sink_end) | (pos[None, :] > t_win[:, None]))
+                s = tl.where(use, s, float("-inf"))
+                m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3,
+                                                                 v0, v1, v2, v3, PV_T)
 
-        # ---- the chunk itself, causal ----
-        k_end = tl.minimum((mb + 1) * BLOCK_M, q_len)
-        for start in range(0, k_end, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < k_end
+        # ---- the chunk itself (exact): element e at position pos0 + e ----
+        # tiles over [0, sink_hi) (the chunk's sinks) then over [w0, i1) (the block's windows), nothing between
+        sink_hi = tl.minimum(tl.maximum(sink_end - pos0, 0), i1)
+        n_sink_tiles = tl.cdiv(sink_hi, BLOCK_N)
+        w0 = tl.maximum(tl.maximum(i0 + 1 - recent, 0), n_sink_tiles * BLOCK_N)
+        n_tiles = n_sink_tiles + tl.cdiv(tl.maximum(i1 - w0, 0), BLOCK_N)
+        for it in range(0, n_tiles):
+            e0 = tl.where(it < n_sink_tiles, it * BLOCK_N, w0 + (it - n_sink_tiles) * BLOCK_N)
+            offs_n = e0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < i1
             rows = (q_start + offs_n).to(tl.int64)
-            k_rows = K_NEW + rows[:, None] * stride_kn + kvh * stride_kh
-            v_rows = V_NEW + rows[:, None] * stride_vn + kvh * stride_vh
-            mn = mask_n[:, None]
-            s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
-            s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
-            s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
-            s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
-            s = tl.where(mask_n[None, :] & (offs_n[None, :] <= offs_q[:, None]), s, float("-inf"))
-            m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_step(
-                s, m_i, l_i, acc0, acc1, acc2, acc3,
-                tl.load(v_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0),
-                tl.load(v_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0),
-                tl.load(v_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0),
-                tl.load(v_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0), PV_T)
+            s, v0, v1, v2, v3 = _exact_tile(q0, q1, q2, q3, K_NEW, V_NEW, rows, mask_n, stride_kn, stride_kh,
+                                            stride_vn, stride_vh, kvh, col0, BQ, QK_T)
+            j = (pos0 + offs_n)[None, :]
+            use = mask_n[None, :] & (j >= first) & (j <= t[:, None]) & ((j < sink_end) | (j > t_win[:, None]))
+            s = tl.where(use, s, float("-inf"))
+            m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3,
+                                                             v0, v1, v2, v3, PV_T)
 
-        inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
-        o_rows = OUT + (q_start + offs_q).to(tl.int64)[:, None] * stride_on + h * stride_oh
+        inv_l = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # no key (padding): 0
+        o_rows = OUT + (q_start + tok).to(tl.int64)[:, None] * stride_on + (kvh * GQA + hh)[:, None] * stride_oh
         tl.store(o_rows + (col0 + 0 * BQ)[None, :], acc0 * inv_l[:, None], mask=mq)
         tl.store(o_rows + (col0 + 1 * BQ)[None, :], acc1 * inv_l[:, None], mask=mq)
         tl.store(o_rows + (col0 + 2 * BQ)[None, :], acc2 * inv_l[:, None], mask=mq)
@@ -185,134 +283,146 @@ def _rotate(x: torch.Tensor, rot: torch.Tensor, heads: int) -> torch.Tensor:
     return (x.float() @ r[0]).contiguous()
 
 
+def _check(q, k_new, v_new, cache: LayerCache, index: ExtendIndex) -> None:
+    n, hq, d = q.shape
+    hkv = cache.kv_heads
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"q must be bf16/fp16/fp32, got {q.dtype}")
+    if d != cache.head_dim:
+        raise ValueError(f"q head dim {d} does not match the cache's {cache.head_dim}")
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
+    if k_new.shape != (n, hkv, d) or v_new.shape != (n, hkv, d):
+        raise ValueError(f"k_new/v_new must be [{n}, {hkv}, {d}], got {tuple(k_new.shape)} {tuple(v_new.shape)}")
+    index.check()
+
+
 def extend_int2(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-    qo_indptr: torch.Tensor, max_new_len: int,
-    rot_k: torch.Tensor, rot_v: torch.Tensor,
-    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
-    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-    k_bf16: torch.Tensor, v_bf16: torch.Tensor,
-    bf16_indptr: torch.Tensor, bf16_indices: torch.Tensor,
-    group_size: int | None = None,
+    cache: LayerCache, index: ExtendIndex,
     sm_scale: float | None = None,
-    new_kv_rotated: bool = False,
     out: torch.Tensor | None = None,
+    new_kv_rotated: bool = False,
     block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int = DEFAULT_WARPS,
+    num_stages: int = DEFAULT_STAGES,
 ) -> torch.Tensor:
-    """Extend (prefill) attention over the chunk itself (causal) plus the cached INT2 and BF16 tokens.
+    """Extend (prefill) attention of each chunk under Design P (see the module docstring).
 
     Args:
-        q: bf16/fp16/fp32 ``[N, Hq, d]`` un-rotated queries of all chunks, sequence ``b`` at rows
-            ``qo_indptr[b] : qo_indptr[b+1]``.
-        k_new, v_new: float ``[N, Hkv, d]`` the chunks' own keys/values (un-rotated unless ``new_kv_rotated``).
-        qo_indptr: int32 ``[B + 1]``; max_new_len: host bound of the longest chunk (sets the grid).
-        rot_k, rot_v: fp32 ``[Hkv or 1, d, d]``.
-        k_codes, v_codes: uint8 ``[S, Hkv, d/4]``; k/v_scale, k/v_zero: fp16 ``[S, Hkv, d/g]``.
-        kv_indptr: int32 ``[B + 1]``, kv_indices: int32 ``[nnz]``: INT2 prefix slots of each sequence.
-        k_bf16, v_bf16: bf16 ``[S_bf16, Hkv, d]`` rotated pools; bf16_indptr int32 ``[B + 1]``,
-            bf16_indices int32 ``[nnz_bf16]``.
-        group_size: ``g`` (default ``d``); sm_scale: default ``1/sqrt(d)``.
+        q: bf16/fp16/fp32 ``[N, Hq, d]`` un-rotated queries of all chunks (sequence ``b`` at rows
+            ``index.qo_indptr[b] : index.qo_indptr[b+1]``).
+        k_new, v_new: float ``[N, Hkv, d]``, the chunks' own keys/values: un-rotated (rotated here and rounded to
+            bf16), or already rotated with ``new_kv_rotated`` (used as given, e.g. the bf16 rows ``quantize_pack``
+            stored).
+        cache: the layer's :class:`~oscar_kernels.layout.LayerCache` (the chunk's INT2 codes already written).
+        index: :class:`ExtendIndex` of the batch.
+        sm_scale: softmax scale (default ``1/sqrt(d)``).
         out: optional ``[N, Hq, d]`` output (default: new tensor of ``q.dtype``).
-        block_m, block_n: tile sizes (``DEFAULT_BLOCK_M``, ``DEFAULT_BLOCK_N``).
+        new_kv_rotated: ``k_new``/``v_new`` are rotated already.
+        block_m: rows (tokens x padded GQA group) of the M dimension per program (``DEFAULT_BLOCK_M``; at least one
+            token per program).
+        block_n, num_warps, num_stages: key tile, warps and pipelining depth (module defaults).
 
     Returns:
         ``out``: ``[N, Hq, d]`` in the original basis.
     """
+    _check(q, k_new, v_new, cache, index)
     n, hq, d = q.shape
-    hkv = k_codes.shape[1]
-    g = group_size or d
-    check_group_size(d, g)
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
-    if k_new.shape != (n, hkv, d) or v_new.shape != (n, hkv, d):
-        raise ValueError(f"k_new/v_new must be [{n}, {hkv}, {d}]")
-    if qo_indptr.dtype != torch.int32 or qo_indptr.dim() != 1:
-        raise ValueError("qo_indptr must be int32 [B + 1]")
-    bsz = qo_indptr.shape[0] - 1
-    from .decode_int2 import _check_bf16, _check_index, _check_pool, _check_rot, _interpreting
-    _check_pool("k", k_codes, k_scale, k_zero, hkv, d, g)
-    _check_pool("v", v_codes, v_scale, v_zero, hkv, d, g)
-    _check_rot("rot_k", rot_k, hkv, d)
-    _check_rot("rot_v", rot_v, hkv, d)
-    _check_index("kv", kv_indptr, kv_indices, bsz)
-    _check_index("bf16", bf16_indptr, bf16_indices, bsz)
-    _check_bf16(k_bf16, v_bf16, hkv, d)
+    hkv = cache.kv_heads
+    g = cache.group_size
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape:
-        raise ValueError(f"out must have shape {tuple(q.shape)}")
-    if n == 0 or bsz == 0:
+        raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    bsz = index.batch
+    if n == 0 or bsz == 0 or index.max_new_len == 0:
         return out
     gqa = hq // hkv
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    qr = _rotate(q, rot_k, hq) * (sm_scale * math.log2(math.e))
-    kr = k_new.float().contiguous() if new_kv_rotated else _rotate(k_new, rot_k, hkv)
-    vr = v_new.float().contiguous() if new_kv_rotated else _rotate(v_new, rot_v, hkv)
+    qr = _rotate(q, cache.rot_k, hq) * (sm_scale * math.log2(math.e))
+    if new_kv_rotated:
+        kr, vr = k_new, v_new
+    else:  # as the exact rows are stored: rotated, rounded to bf16
+        kr = _rotate(k_new, cache.rot_k, hkv).to(torch.bfloat16)
+        vr = _rotate(v_new, cache.rot_v, hkv).to(torch.bfloat16)
+    if kr.stride(-1) != 1 or vr.stride(-1) != 1:
+        raise ValueError("k_new/v_new must have a contiguous last dim")
     o_rot = torch.empty(n, hq, d, dtype=torch.float32, device=q.device)
     fp32_dot = _interpreting() or q.device.type != "cuda"
-    grid = (bsz, hq, triton.cdiv(max_new_len, block_m))
+    block_h = triton.next_power_of_2(gqa)
+    block_t = max(1, block_m // block_h)
+    grid = (bsz, hkv, triton.cdiv(index.max_new_len, block_t))
+    k, v = cache.k, cache.v
     _extend_int2_kernel[grid](
-        qr, kr, vr, qo_indptr,
-        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-        k_bf16, v_bf16,
-        kv_indptr, kv_indices, bf16_indptr, bf16_indices,
+        qr, kr, vr, index.qo_indptr, index.q_pos0, index.start,
+        k.codes, k.scale, k.zero, v.codes, v.scale, v.zero,
+        cache.k_bf16, cache.v_bf16,
+        index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices, index.bf16_pos,
         o_rot,
+        index.sink, index.recent,
         qr.stride(0), qr.stride(1), kr.stride(0), kr.stride(1), vr.stride(0), vr.stride(1),
-        k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1), k_zero.stride(0), k_zero.stride(1),
-        v_codes.stride(0), v_codes.stride(1), v_scale.stride(0), v_scale.stride(1), v_zero.stride(0), v_zero.stride(1),
-        k_bf16.stride(0), k_bf16.stride(1), v_bf16.stride(0), v_bf16.stride(1),
+        k.codes.stride(0), k.codes.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0), k.zero.stride(1),
+        v.codes.stride(0), v.codes.stride(1), v.scale.stride(0), v.scale.stride(1), v.zero.stride(0), v.zero.stride(1),
+        cache.k_bf16.stride(0), cache.k_bf16.stride(1), cache.v_bf16.stride(0), cache.v_bf16.stride(1),
         o_rot.stride(0), o_rot.stride(1),
-        GQA=gqa, HEAD_DIM=d, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
+        GQA=gqa, BLOCK_H=block_h, BLOCK_T=block_t, HEAD_DIM=d, GROUP_SIZE=g, BLOCK_N=block_n,
         QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     # back to the original basis: o = o' @ R_V^T (per KV head of each query head)
-    out.copy_(_rotate(o_rot, rot_v.transpose(1, 2), hq))
+    out.copy_(_rotate(o_rot, cache.rot_v.transpose(1, 2), hq))
     return out
 
 
 def extend_int2_ref(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    rot_k: torch.Tensor, rot_v: torch.Tensor,
-    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
-    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-    k_bf16: torch.Tensor, v_bf16: torch.Tensor,
-    bf16_indptr: torch.Tensor, bf16_indices: torch.Tensor,
-    group_size: int | None = None,
+    cache: LayerCache, index: ExtendIndex,
     sm_scale: float | None = None,
     new_kv_rotated: bool = False,
 ) -> torch.Tensor:
-    """Plain fp32 torch definition of :func:`extend_int2`; returns fp32 ``[N, Hq, d]``."""
+    """Plain fp32 torch definition of :func:`extend_int2`; returns fp32 ``[N, Hq, d]`` (rows with no key: 0)."""
+    _check(q, k_new, v_new, cache, index)
     n, hq, d = q.shape
-    hkv = k_codes.shape[1]
-    g = group_size or d
+    hkv = cache.kv_heads
     gqa = hq // hkv
+    g = cache.group_size
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    rk = rot_k.float().expand(hkv, d, d)
-    rv = rot_v.float().expand(hkv, d, d)
-    out = torch.empty(n, hq, d, dtype=torch.float32, device=q.device)
-    for b in range(qo_indptr.shape[0] - 1):
-        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
+    rk = cache.rot_k.float().expand(hkv, d, d)
+    rv = cache.rot_v.float().expand(hkv, d, d)
+    sink, recent = index.sink, index.recent
+    out = torch.zeros(n, hq, d, dtype=torch.float32, device=q.device)
+    for b in range(index.batch):
+        q0, q1 = int(index.qo_indptr[b]), int(index.qo_indptr[b + 1])
         if q1 == q0:
             continue
+        pos0, first = int(index.q_pos0[b]), int(index.start[b])
+        sink_end = first + sink
         kn, vn = k_new[q0:q1].float(), v_new[q0:q1].float()
         if not new_kv_rotated:
-            kn = torch.einsum("nhd,hde->nhe", kn, rk)
-            vn = torch.einsum("nhd,hde->nhe", vn, rv)
-        kc = cached_rows_ref(k_codes, k_scale, k_zero, k_bf16, kv_indptr, kv_indices, bf16_indptr, bf16_indices, b, g)
-        vc = cached_rows_ref(v_codes, v_scale, v_zero, v_bf16, kv_indptr, kv_indices, bf16_indptr, bf16_indices, b, g)
-        k, v = torch.cat([kc, kn]), torch.cat([vc, vn])
-        n_cached, m = kc.shape[0], q1 - q0
-        causal = torch.ones(m, n_cached + m, dtype=torch.bool, device=q.device)
-        causal[:, n_cached:] = torch.tril(causal[:, n_cached:])
+            kn = torch.einsum("nhd,hde->nhe", kn, rk).to(torch.bfloat16).float()
+            vn = torch.einsum("nhd,hde->nhe", vn, rv).to(torch.bfloat16).float()
+        sl = index.kv_indices[index.kv_indptr[b]:index.kv_indptr[b + 1]].long()
+        sb = index.bf16_indices[index.bf16_indptr[b]:index.bf16_indptr[b + 1]].long()
+        k = torch.cat([dequantize_ref(cache.k.codes[sl], cache.k.scale[sl], cache.k.zero[sl], g),
+                       cache.k_bf16[sb].float(), kn])
+        v = torch.cat([dequantize_ref(cache.v.codes[sl], cache.v.scale[sl], cache.v.zero[sl], g),
+                       cache.v_bf16[sb].float(), vn])
+        m = q1 - q0
+        t = torch.arange(pos0, pos0 + m, device=q.device)[:, None]  # query positions
+        j_int2 = (sink_end + torch.arange(sl.numel(), device=q.device))[None, :]
+        j_ex = index.bf16_pos[index.bf16_indptr[b]:index.bf16_indptr[b + 1]].long()[None, :]
+        j_new = torch.arange(pos0, pos0 + m, device=q.device)[None, :]
+        allowed = torch.cat([(j_int2 <= t - recent).expand(m, -1),
+                             (j_ex < sink_end) | (j_ex > t - recent),
+                             (j_new >= first) & (j_new <= t) & ((j_new < sink_end) | (j_new > t - recent))], dim=1)
+        used = allowed.any(0)  # listed keys no query reads may hold anything (the kernel skips their tiles)
+        k, v, allowed = k[used], v[used], allowed[:, used]
         for h in range(hq):
             kh = h // gqa
             qr = q[q0:q1, h].float() @ rk[kh]
-            sc = (qr @ k[:, kh].T) * sm_scale
-            p = torch.softmax(sc.masked_fill(~causal, float("-inf")), dim=-1)
+            sc = ((qr @ k[:, kh].T) * sm_scale).masked_fill(~allowed, float("-inf"))
+            p = torch.softmax(sc, dim=-1).nan_to_num(0.0)  # a row with no key (padding) gives 0
             out[q0:q1, h] = (p @ v[:, kh]) @ rv[kh].T
     return out

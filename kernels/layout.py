@@ -1,8 +1,9 @@
-"""OSCAR-KV INT2 cache layout: what the kernels read and write, byte by byte.
+"""OSCAR-KV INT2 cache layout: what the kernels read and write, byte by byte, and the one definition of each part.
 
-Token-slot pools, page size 1 (as SGLang's token-to-KV pool): a sequence's cached tokens are the slots
+Token-slot pools, page size 1 (as SGLang's token-to-KV pool): a sequence's INT2 tokens are the slots
 ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]`` (``kv_indptr`` int32 ``[B + 1]``, ``kv_indices`` int32 ``[nnz]``).
-Each slot depends only on its own token and is written once (by :func:`oscar_kernels.quantize_pack`).
+Each slot depends only on its own token and is written once, when the token is created (by
+:func:`oscar_kernels.quantize_pack`), whether or not the token is currently read exactly; slots can be shared.
 
 Per layer, for keys and for values separately (each in its own rotated basis: ``k' = k @ R_K[h]``,
 ``v' = v @ R_V[h]``, ``R`` orthogonal fp32 ``[Hkv or 1, d, d]``):
@@ -14,37 +15,94 @@ Per layer, for keys and for values separately (each in its own rotated basis: ``
 The kernels take any strides with a contiguous last dimension. :class:`Int2Pool` stores each pool head-major,
 ``[Hkv, slots, ...]`` in memory and handed out as a ``[slots, Hkv, ...]`` view, so one KV head's scales and codes of
 consecutive slots are contiguous: a decode program (one sequence, one KV head) then reads whole 32-byte sectors of
-scales instead of 2 bytes out of each (measured on an H200, ``benchmarks/bench_decode.py --layouts``: 10-11% faster
-decode than slot-major pools, bs16/128k 592 vs 666 µs). For slot ``t``, KV head ``h``, group ``k``
+scales instead of 2 bytes out of each (measured on an H200, ``benchmarks/bench_decode.py --layouts``, commit dbd78bb:
+10-11% faster decode than slot-major pools, bs16/128k 592 vs 666 µs). For slot ``t``, KV head ``h``, group ``k``
 (``B = g/4`` bytes per group), in an ``Int2Pool`` of ``S`` slots:
 
 * codes row at byte ``(h * S + t) * d/4``; group ``k`` is bytes ``[k*B, (k+1)*B)`` of the row;
   byte ``b`` of group ``k`` holds rotated elements ``k*g + b``, ``k*g + b + B``, ``k*g + b + 2B``,
-  ``k*g + b + 3B`` at bit shifts 0, 2, 4, 6 ("quarter-planar").  Unpacking a row with one shift gives a
-  contiguous quarter of each group, so a query quarter can be dotted against it with no reshuffle.
+  ``k*g + b + 3B`` at bit shifts 0, 2, 4, 6 ("planar"; :func:`pack` with ``bits=2``).  Unpacking a row with one
+  shift gives a contiguous quarter of each group, so a query quarter can be dotted against it with no reshuffle.
 * ``scale`` / ``zero`` of group ``k`` at byte ``2 * ((h * S + t) * d/g + k)``.
 
-Dequantisation: ``x_hat = code * float(scale) + float(zero)`` (fp32); the quantiser is
-``oscar_cli.quantizer.quantize`` (clip ratio ``r``: ``lo, hi = mid -+ r * (max - min) / 2`` per group,
-``scale = max((hi - lo) / 3, 1e-5)`` and ``zero = lo`` rounded to fp16,
-``code = clamp(floor((x - zero) / scale + 0.5), 0, 3)``).  At ``d = g = 128`` a token costs
-``32 + 2 + 2 = 36`` bytes per head for K and as much for V: 2.25 bits per element.
+Quantisation (the definition; ``oscar_cli.quantizer.quantize`` and :func:`oscar_kernels.quantize_pack_ref` follow
+it): clip ratio ``r``: ``lo, hi = mid -+ r * (max - min) / 2`` per group, ``scale = max((hi - lo) / 3, SCALE_EPS)``
+and ``zero = lo`` rounded to fp16, ``code = clamp(floor((x - zero) / scale + 0.5), 0, 3)``; dequantisation
+``x_hat = code * float(scale) + float(zero)`` (fp32).  At ``d = g = 128`` a token costs ``32 + 2 + 2 = 36`` bytes
+per head for K and as much for V: 2.25 bits per element.
 
-Sink and recent tokens stay in a BF16 slot pool of their own, ``k_bf16``/``v_bf16`` bf16 ``[slots_bf16, Hkv, d]``,
-holding keys and values ALREADY ROTATED by ``R_K`` / ``R_V`` (so one query's attention is computed entirely
-in the rotated basis), addressed by ``bf16_indptr`` int32 ``[B + 1]`` / ``bf16_indices`` int32 ``[nnz_bf16]``.
-Which tokens are sinks or recent is the cache's business: the kernels only see two index lists per sequence.
-Every cached token of a sequence precedes the new tokens (decode query, extend chunk) of that sequence.
+Exact rows (:class:`LayerCache` ``k_bf16`` / ``v_bf16``, bf16 ``[R, Hkv, d]``): rows ALREADY ROTATED by ``R_K`` /
+``R_V`` (so attention runs entirely in the rotated basis). Each request owns a region of ``sink + recent`` rows
+per layer, holding its sinks and a ring of its last ``recent`` positions (:func:`exact_row_ref` /
+:func:`exact_row`); the kernels address them through ``bf16_indptr`` int32 ``[B + 1]`` / ``bf16_indices`` int32
+``[nnz_bf16]`` lists, which :mod:`oscar_kernels.plan` fills.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
-CODES_PER_BYTE = 4
+KERNEL_BITS = 2
+"""Code width the Triton kernels implement (``oscar_kernels.scheme.KERNEL_BITS`` says the same to the scheme)."""
+CODES_PER_BYTE = 8 // KERNEL_BITS
 """2-bit codes: four per byte."""
+SCALE_EPS = 1e-5
+"""Smallest stored scale: keeps constant groups finite (fp16 holds it as a normal number)."""
+DEFAULT_CLIP_RATIO = 1.0
+"""Plain min/max range; fitted recipes pass their per-layer, per-KV-head ratios (separate for K and V)."""
+
+
+def _interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (kernels run on the CPU; every ``tl.dot`` is fp32, no PTX)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# packing (bits 2 and 4) and dequantisation
+
+
+def _per_byte(bits: int) -> int:
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 2 or 4, got {bits}")
+    return 8 // bits
+
+
+def pack(codes: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """uint8 codes ``[..., d]`` (values < 2**bits) -> packed uint8 ``[..., d * bits / 8]`` (planar layout).
+
+    With ``P = 8 // bits`` codes per byte and ``B = group / P`` bytes per group, byte ``b`` of a group holds the
+    group's elements ``b, b + B, ..., b + (P-1) B`` at bit shifts ``0, bits, ..., (P-1) bits``."""
+    per_byte = _per_byte(bits)
+    c = codes.to(torch.uint8).unflatten(-1, (-1, per_byte, group // per_byte))  # [..., G, P, B]
+    out = torch.zeros(c.shape[:-2] + c.shape[-1:], dtype=torch.uint8, device=codes.device)
+    for k in range(per_byte):
+        out |= c[..., k, :] << (bits * k)
+    return out.flatten(-2)
+
+
+def unpack(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: uint8 ``[..., d * bits / 8]`` -> uint8 codes ``[..., d]``."""
+    per_byte = _per_byte(bits)
+    mask = (1 << bits) - 1
+    p = packed.unflatten(-1, (-1, group // per_byte))  # [..., G, B]
+    parts = [(p >> (bits * k)) & mask for k in range(per_byte)]
+    return torch.stack(parts, dim=-2).flatten(-3)
+
+
+def dequantize_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """2-bit rows: codes uint8 ``[..., d/4]``, scale/zero fp16 ``[..., d/g]`` -> fp32 ``[..., d]``."""
+    c = unpack(codes, KERNEL_BITS, group_size).float().unflatten(-1, (-1, group_size))
+    return (c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# argument checks shared by the launchers
 
 
 def check_group_size(head_dim: int, group_size: int) -> None:
@@ -56,10 +114,65 @@ def check_group_size(head_dim: int, group_size: int) -> None:
             raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernels, got {v}")
 
 
+def check_pool(name: str, pool: Int2Pool, kv_heads: int, head_dim: int) -> None:
+    """``pool`` holds uint8 codes ``[S, kv_heads, d/4]`` and fp16 scale/zero ``[S, kv_heads, d/g]``, last dims contiguous."""
+    d, g = head_dim, pool.group_size
+    check_group_size(d, g)
+    codes = pool.codes
+    if codes.dtype != torch.uint8 or codes.dim() != 3 or codes.shape[1:] != (kv_heads, d // CODES_PER_BYTE) \
+            or codes.stride(-1) != 1:
+        raise ValueError(f"{name} codes must be uint8 [S, {kv_heads}, {d // 4}] with contiguous last dim, "
+                         f"got {codes.dtype} {tuple(codes.shape)}")
+    for what, t in (("scale", pool.scale), ("zero", pool.zero)):
+        if t.dtype != torch.float16 or t.shape != (codes.shape[0], kv_heads, d // g) or t.stride(-1) != 1:
+            raise ValueError(f"{name} {what} must be fp16 [{codes.shape[0]}, {kv_heads}, {d // g}] with contiguous "
+                             f"last dim, got {t.dtype} {tuple(t.shape)}")
+
+
+def check_rot(name: str, rot: torch.Tensor, kv_heads: int, head_dim: int) -> None:
+    """``rot`` is fp32 ``[kv_heads or 1, d, d]``."""
+    d = head_dim
+    if rot.dtype != torch.float32 or rot.dim() != 3 or rot.shape[0] not in (1, kv_heads) or rot.shape[1:] != (d, d):
+        raise ValueError(f"{name} must be fp32 [{kv_heads} or 1, {d}, {d}], got {rot.dtype} {tuple(rot.shape)}")
+
+
+def check_bf16(name: str, t: torch.Tensor, kv_heads: int, head_dim: int) -> None:
+    """``t`` is bf16 ``[R, kv_heads, d]`` with a contiguous last dim (exact rows)."""
+    if t.dtype != torch.bfloat16 or t.dim() != 3 or t.shape[1:] != (kv_heads, head_dim) or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be bf16 [R, {kv_heads}, {head_dim}] with contiguous last dim, "
+                         f"got {t.dtype} {tuple(t.shape)}")
+
+
+def check_clip(name: str, clip: torch.Tensor, kv_heads: int) -> None:
+    """``clip`` is an fp32 ``[kv_heads]`` tensor of per-KV-head clip ratios (values are not read on the host)."""
+    if not isinstance(clip, torch.Tensor) or clip.dtype != torch.float32 or clip.shape != (kv_heads,):
+        got = f"{clip.dtype} {tuple(clip.shape)}" if isinstance(clip, torch.Tensor) else type(clip).__name__
+        raise ValueError(f"{name} must be an fp32 [{kv_heads}] tensor of clip ratios, got {got}")
+
+
+def check_index(name: str, indptr: torch.Tensor, indices: torch.Tensor, batch: int) -> None:
+    """``indptr`` int32 ``[batch + 1]``, ``indices`` int32 ``[nnz]``."""
+    if indptr.dtype != torch.int32 or indptr.shape != (batch + 1,):
+        raise ValueError(f"{name}_indptr must be int32 [{batch + 1}], got {indptr.dtype} {tuple(indptr.shape)}")
+    if indices.dtype != torch.int32 or indices.dim() != 1:
+        raise ValueError(f"{name}_indices must be int32 [nnz], got {indices.dtype} {tuple(indices.shape)}")
+
+
+def check_seq(name: str, t: torch.Tensor, batch: int, dtypes=(torch.int32,)) -> None:
+    """``t`` is a 1-d integer tensor of ``batch`` elements (one per sequence)."""
+    if t.dtype not in dtypes or t.shape != (batch,):
+        want = "/".join(str(x).removeprefix("torch.") for x in dtypes)
+        raise ValueError(f"{name} must be {want} [{batch}], got {t.dtype} {tuple(t.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# storage
+
+
 @dataclass(frozen=True)
 class Int2Pool:
     """One layer's INT2 slots for K or V. ``codes`` uint8 ``[S, Hkv, d/4]``; ``scale``/``zero`` fp16 ``[S, Hkv, d/g]``
-    (views of head-major storage, see the module docstring)."""
+    (views of head-major storage when made by :meth:`empty`, see the module docstring)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -78,37 +191,129 @@ class Int2Pool:
         return cls(codes.transpose(0, 1), scale.transpose(0, 1), zero.transpose(0, 1), g)
 
     @property
+    def slots(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.codes.shape[1]
+
+    @property
     def head_dim(self) -> int:
         return self.codes.shape[-1] * CODES_PER_BYTE
 
+    @functools.cached_property
+    def words(self) -> torch.Tensor | None:
+        """The codes viewed as int16 words (two bytes, eight codes), or None when the strides do not allow it."""
+        try:
+            return self.codes.view(torch.int16)
+        except RuntimeError:
+            return None
 
-def unpack_ref(codes: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Quarter-planar unpack. codes uint8 ``[..., d/4]`` -> uint8 codes ``[..., d]`` (values 0..3)."""
-    b = group_size // CODES_PER_BYTE
-    p = codes.unflatten(-1, (-1, b))  # [..., G, B]
-    parts = [(p >> (2 * j)) & 3 for j in range(CODES_PER_BYTE)]
-    return torch.stack(parts, dim=-2).flatten(-3)
-
-
-def pack_ref(codes: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Inverse of :func:`unpack_ref`: uint8 codes ``[..., d]`` -> packed uint8 ``[..., d/4]``."""
-    b = group_size // CODES_PER_BYTE
-    c = codes.to(torch.uint8).unflatten(-1, (-1, CODES_PER_BYTE, b))  # [..., G, 4, B]
-    out = c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
-    return out.flatten(-2)
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
 
-def dequantize_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    """codes uint8 ``[..., d/4]``, scale/zero fp16 ``[..., d/g]`` -> fp32 ``[..., d]``."""
-    c = unpack_ref(codes, group_size).float().unflatten(-1, (-1, group_size))
-    return (c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).flatten(-2)
+def max_offset(*ts: torch.Tensor) -> int:
+    """Largest element offset any of ``ts`` can be indexed at (0 for empty tensors)."""
+    return max([sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) for t in ts if t.numel()] or [0])
 
 
-def cached_rows_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bf16: torch.Tensor,
-                    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, bf16_indptr: torch.Tensor,
-                    bf16_indices: torch.Tensor, b: int, group_size: int) -> torch.Tensor:
-    """Sequence ``b``'s cached K (or V) rows, rotated basis, fp32 ``[T, Hkv, d]``: its INT2 slots dequantised, then its
-    BF16 slots (the order the kernels' references attend in)."""
+OFFSET64 = 2**31
+"""Element offsets from this on need 64-bit pointer arithmetic in the kernels."""
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """Everything a kernel reads of one layer: INT2 slots, exact rows, rotations, clip ratios. Checked once, here.
+
+    * ``k``, ``v``: :class:`Int2Pool` (same slots, KV heads, head dim and group);
+    * ``k_bf16``, ``v_bf16``: bf16 ``[R, Hkv, d]`` exact rows, already rotated;
+    * ``rot_k``, ``rot_v``: fp32 ``[Hkv or 1, d, d]``;
+    * ``clip_k``, ``clip_v``: fp32 ``[Hkv]`` device tensors of clip ratios (read by ``quantize_pack`` in the kernel).
+    """
+
+    k: Int2Pool
+    v: Int2Pool
+    k_bf16: torch.Tensor
+    v_bf16: torch.Tensor
+    rot_k: torch.Tensor
+    rot_v: torch.Tensor
+    clip_k: torch.Tensor
+    clip_v: torch.Tensor
+
+    def __post_init__(self) -> None:
+        hkv, d = self.k.kv_heads, self.k.head_dim
+        check_pool("k", self.k, hkv, d)
+        check_pool("v", self.v, hkv, d)
+        if self.v.slots != self.k.slots or self.v.group_size != self.k.group_size:
+            raise ValueError("k and v INT2 pools must have the same slots and group size")
+        check_bf16("k_bf16", self.k_bf16, hkv, d)
+        check_bf16("v_bf16", self.v_bf16, hkv, d)
+        if self.v_bf16.shape != self.k_bf16.shape:
+            raise ValueError("k_bf16 and v_bf16 must have the same shape")
+        check_rot("rot_k", self.rot_k, hkv, d)
+        check_rot("rot_v", self.rot_v, hkv, d)
+        check_clip("clip_k", self.clip_k, hkv)
+        check_clip("clip_v", self.clip_v, hkv)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.head_dim
+
+    @property
+    def group_size(self) -> int:
+        return self.k.group_size
+
+    @functools.cached_property
+    def off64(self) -> bool:
+        """Whether the INT2 pools need 64-bit offsets (their largest element offset reaches :data:`OFFSET64`)."""
+        ts = [t for p in (self.k, self.v) for t in (p.codes, p.scale, p.zero)]
+        return max_offset(*ts) >= OFFSET64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the exact-row map
+
+
+def exact_row_ref(req: torch.Tensor, pos: torch.Tensor, start: torch.Tensor | int, sink: int,
+                  recent: int) -> torch.Tensor:
+    """Row of the exact region holding position ``pos`` of request ``req`` (int64, broadcast), or -1 for none.
+
+    ``rel = pos - start``; ``rel < sink``: ``req * (sink + recent) + rel`` (a sink); else, with ``recent > 0``,
+    ``req * (sink + recent) + sink + (rel - sink) % recent`` (the ring of the last ``recent`` positions).
+    -1 for ``rel < 0`` (padding before the first real token) and, when ``recent == 0``, for non-sinks."""
+    req, pos = torch.as_tensor(req).long(), torch.as_tensor(pos).long()
+    rel = pos - torch.as_tensor(start, device=pos.device).long()
+    base = req * (sink + recent)
+    ring = base + sink + (rel - sink).remainder(recent) if recent > 0 else torch.full_like(rel, -1)
+    row = torch.where(rel < sink, base + rel, ring)
+    return torch.where(rel < 0, torch.full_like(row, -1), row)
+
+
+@triton.jit
+def exact_row(req, pos, start, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Triton twin of :func:`exact_row_ref` (element-wise; ``req`` should be int64 for large regions)."""
+    rel = pos - start
+    base = req * (SINK + RECENT)
+    if RECENT > 0:
+        ring = base + SINK + (rel - SINK) % RECENT  # rel - SINK >= 0 wherever it is selected
+    else:
+        ring = base * 0 - 1
+    row = tl.where(rel < SINK, base + rel, ring)
+    return tl.where(rel < 0, -1, row)
+
+
+def cached_rows_ref(pool: Int2Pool, bf16: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                    bf16_indptr: torch.Tensor, bf16_indices: torch.Tensor, b: int) -> torch.Tensor:
+    """Sequence ``b``'s cached K (or V) rows in the rotated basis, fp32 ``[T, Hkv, d]``: its INT2 slots dequantised,
+    then its exact rows (the order the kernels' references attend in)."""
     sl = kv_indices[kv_indptr[b]:kv_indptr[b + 1]].long()
     sb = bf16_indices[bf16_indptr[b]:bf16_indptr[b + 1]].long()
-    return torch.cat([dequantize_ref(codes[sl], scale[sl], zero[sl], group_size), bf16[sb].float()])
+    return torch.cat([dequantize_ref(pool.codes[sl], pool.scale[sl], pool.zero[sl], pool.group_size),
+                      bf16[sb].float()])

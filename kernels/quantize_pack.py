@@ -1,24 +1,28 @@
-"""Rotate, clip, quantize to INT2, pack and scatter new K or V rows into their token slots.
+"""Rotate, clip, quantize to INT2, pack and scatter new K or V rows into their token slots (and exact rows).
 
-Math, per token ``n`` and KV head ``h`` (``x`` row of ``d`` elements, ``R`` = ``rot[h]`` fp32 ``[d, d]``):
-``x' = x @ R``; per group ``k`` of ``g`` contiguous elements of ``x'``: ``mn, mx = min, max``,
+Math, per token ``n`` and KV head ``h`` (``x`` row of ``d`` elements, ``R`` = ``rot[h]`` fp32 ``[d, d]``, clip ratio
+``r = clip[h]``): ``x' = x @ R``; per group ``k`` of ``g`` contiguous elements of ``x'``: ``mn, mx = min, max``,
 ``mid = (mx + mn) * 0.5``, ``half = (mx - mn) * 0.5 * r``, ``lo = mid - half``, ``hi = mid + half``,
-``scale = fp16(max((hi - lo) / 3, 1e-5))``, ``zero = fp16(lo)``,
+``scale = fp16(max((hi - lo) / 3, SCALE_EPS))``, ``zero = fp16(lo)``,
 ``code = clamp(floor((x' - zero) / scale + 0.5), 0, 3)`` (division rounded to nearest, as torch does).
+Optionally the rotated row itself, ``bf16(x')``, is stored as an exact row.
 
 Packed layout (see :mod:`oscar_kernels.layout`): slot ``t = out_cache_loc[n]``; codes row of
 ``codes[t, h]`` is ``d/4`` bytes; byte ``k*B + b`` (``B = g/4``) holds elements ``k*g + b + j*B`` at bit
-shift ``2j``, ``j = 0..3``; ``scale[t, h, k]``, ``zero[t, h, k]`` fp16.
+shift ``2j``, ``j = 0..3``; ``scale[t, h, k]``, ``zero[t, h, k]`` fp16. Exact row ``bf16_out[bf16_loc[n], h, :]``
+bf16 ``[d]`` in natural element order, skipped where ``bf16_loc[n] < 0``.
 
 Kernel: one program per (block of tokens, KV head). The rotation is fused: the kernel computes the four
 column quarters ``x @ R[:, cols_j]`` with near-fp32 dot products (tf32x3 by default), so each quarter is already
 in the order its bit plane is packed in; min/max, the scale and the codes follow in registers and one
-``d/4``-byte row per token is written.
+``d/4``-byte row per token is written. Per-head clip ratios are read from a device tensor inside the kernel, so
+all heads go in one launch with no host synchronisation.
 
 Exact vs approximate: with ``rot=None`` (input already rotated) the kernel reproduces
-:func:`quantize_pack_ref` (and ``oscar_cli.quantizer.quantize``) bit for bit. With a rotation, ``x @ R`` is
-summed in a different order than torch's matmul, so ``x'`` differs by a few fp32 ulps; an element lying
-within that distance of a rounding boundary can get the neighbouring code (rare; tests bound it).
+:func:`quantize_pack_ref` (and ``oscar_cli.quantizer.quantize``) bit for bit, codes and exact rows. With a
+rotation, ``x @ R`` is summed in a different order than torch's matmul, so ``x'`` differs by a few fp32 ulps; an
+element lying within that distance of a rounding boundary can get the neighbouring code or bf16 value (rare;
+tests bound it). On GPU the tf32x3 dots are only exercised by a GPU run; the interpreter computes every dot in fp32.
 """
 
 from __future__ import annotations
@@ -27,27 +31,52 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import CODES_PER_BYTE, check_group_size
+from .layout import (
+    CODES_PER_BYTE,
+    DEFAULT_CLIP_RATIO,
+    KERNEL_BITS,
+    SCALE_EPS,
+    check_bf16,
+    check_clip,
+    check_group_size,
+    pack,
+)
 
-DEFAULT_CLIP_RATIO = 1.0
-"""Plain min/max range; fitted recipes pass their per-layer ratio (separate for K and V)."""
-SCALE_EPS = 1e-5
-"""Smallest stored scale, as in ``oscar_cli.quantizer.SCALE_EPS``."""
-LEVELS = 3
-"""Largest 2-bit code."""
+LEVELS = (1 << KERNEL_BITS) - 1
+"""Largest code (3 at 2 bits); the kernel gets it as ``MAX_CODE``."""
+DEFAULT_BLOCK_N = 64
+"""Tokens per program: fastest of 32/64/128 at 4 warps for a 32k-token prefill on an H200 (204 µs vs 955 at 32 and
+390 at 128; 128 tokens with 8 warps 202 µs), ``benchmarks/RESULTS.md``, commit 78c2798."""
+DEFAULT_ROT_PRECISION = "tf32x3"
+"""Triton ``input_precision`` of the fused rotation: three tf32 tensor-core passes, ~fp32 accuracy; 204 µs for 32k
+tokens x 8 heads against 4266 µs for ``"ieee"`` fp32 FMA and 130 µs for plain ``"tf32"`` (~1e-3 relative error,
+not used), measured on an H200 (commit 78c2798)."""
+DEFAULT_WARPS = 4
+"""Warps per program at ``DEFAULT_BLOCK_N`` (8 warps: 427 µs vs 204 on the same run)."""
+
+
+@triton.jit
+def _to_bf16(x):
+    """fp32 -> bf16 rounded to nearest even with integer ops (what torch does for finite values; the Triton
+    interpreter's float cast truncates, so a plain ``.to`` would differ between CPU tests and GPU)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = u + 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
 def _quantize_pack_kernel(
-    X, ROT, CODES, SCALE, ZERO, LOC,
+    X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC,
     n_tokens, clip_ratio, scale_eps,
     stride_xn, stride_xh, stride_xd,
     stride_rh, stride_rr, stride_rc,
     stride_cs, stride_ch,
     stride_ss, stride_sh,
     stride_zs, stride_zh,
+    stride_bs, stride_bh,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -77,96 +106,155 @@ def _quantize_pack_kernel(
         y2 = tl.load(x_rows + (col0 + 2 * BQ)[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)
         y3 = tl.load(x_rows + (col0 + 3 * BQ)[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)
 
-    # [BLOCK_N, NG, BQ]: one group per middle index
-    y0 = tl.reshape(y0, (BLOCK_N, NG, BQ))
-    y1 = tl.reshape(y1, (BLOCK_N, NG, BQ))
-    y2 = tl.reshape(y2, (BLOCK_N, NG, BQ))
-    y3 = tl.reshape(y3, (BLOCK_N, NG, BQ))
-    mn = tl.min(tl.minimum(tl.minimum(y0, y1), tl.minimum(y2, y3)), axis=2, keep_dims=True)
-    mx = tl.max(tl.maximum(tl.maximum(y0, y1), tl.maximum(y2, y3)), axis=2, keep_dims=True)
-    mid = (mx + mn) * 0.5
-    half = (mx - mn) * 0.5 * clip_ratio
-    lo = mid - half
-    hi = mid + half
-    scale16 = tl.maximum(tl.math.div_rn(hi - lo, 3.0), scale_eps).to(tl.float16)
-    zero16 = lo.to(tl.float16)
-    s = scale16.to(tl.float32)
-    z = zero16.to(tl.float32)
-    c0 = tl.clamp(tl.floor(tl.math.div_rn(y0 - z, s) + 0.5), 0.0, 3.0).to(tl.uint8)
-    c1 = tl.clamp(tl.floor(tl.math.div_rn(y1 - z, s) + 0.5), 0.0, 3.0).to(tl.uint8)
-    c2 = tl.clamp(tl.floor(tl.math.div_rn(y2 - z, s) + 0.5), 0.0, 3.0).to(tl.uint8)
-    c3 = tl.clamp(tl.floor(tl.math.div_rn(y3 - z, s) + 0.5), 0.0, 3.0).to(tl.uint8)
-    packed = tl.reshape(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6), (BLOCK_N, D4))
+    if STORE_BF16:  # the rotated row, natural element order, where bf16_loc >= 0
+        brow = tl.load(BLOC + offs_n, mask=mask_n, other=-1).to(tl.int64)
+        mb = (mask_n & (brow >= 0))[:, None]
+        b_rows = BF16 + brow[:, None] * stride_bs + h * stride_bh
+        tl.store(b_rows + (col0 + 0 * BQ)[None, :], _to_bf16(y0), mask=mb)
+        tl.store(b_rows + (col0 + 1 * BQ)[None, :], _to_bf16(y1), mask=mb)
+        tl.store(b_rows + (col0 + 2 * BQ)[None, :], _to_bf16(y2), mask=mb)
+        tl.store(b_rows + (col0 + 3 * BQ)[None, :], _to_bf16(y3), mask=mb)
 
-    slot = tl.load(LOC + offs_n, mask=mask_n, other=0).to(tl.int64)
-    tl.store(CODES + slot[:, None] * stride_cs + h * stride_ch + offs_m[None, :], packed, mask=mask_n[:, None])
-    offs_g = tl.arange(0, NG)
-    m2 = mask_n[:, None]
-    tl.store(SCALE + slot[:, None] * stride_ss + h * stride_sh + offs_g[None, :], tl.reshape(scale16, (BLOCK_N, NG)), mask=m2)
-    tl.store(ZERO + slot[:, None] * stride_zs + h * stride_zh + offs_g[None, :], tl.reshape(zero16, (BLOCK_N, NG)), mask=m2)
+    if STORE_CODES:
+        if CLIP_PER_HEAD:
+            r = tl.load(CLIP + h)
+        else:
+            r = clip_ratio
+        # [BLOCK_N, NG, BQ]: one group per middle index
+        y0 = tl.reshape(y0, (BLOCK_N, NG, BQ))
+        y1 = tl.reshape(y1, (BLOCK_N, NG, BQ))
+        y2 = tl.reshape(y2, (BLOCK_N, NG, BQ))
+        y3 = tl.reshape(y3, (BLOCK_N, NG, BQ))
+        mn = tl.min(tl.minimum(tl.minimum(y0, y1), tl.minimum(y2, y3)), axis=2, keep_dims=True)
+        mx = tl.max(tl.maximum(tl.maximum(y0, y1), tl.maximum(y2, y3)), axis=2, keep_dims=True)
+        mid = (mx + mn) * 0.5
+        half = (mx - mn) * 0.5 * r
+        lo = mid - half
+        hi = mid + half
+        TOP: tl.constexpr = MAX_CODE * 1.0
+        scale16 = tl.maximum(tl.math.div_rn(hi - lo, TOP), scale_eps).to(tl.float16)
+        zero16 = lo.to(tl.float16)
+        s = scale16.to(tl.float32)
+        z = zero16.to(tl.float32)
+        c0 = tl.clamp(tl.floor(tl.math.div_rn(y0 - z, s) + 0.5), 0.0, TOP).to(tl.uint8)
+        c1 = tl.clamp(tl.floor(tl.math.div_rn(y1 - z, s) + 0.5), 0.0, TOP).to(tl.uint8)
+        c2 = tl.clamp(tl.floor(tl.math.div_rn(y2 - z, s) + 0.5), 0.0, TOP).to(tl.uint8)
+        c3 = tl.clamp(tl.floor(tl.math.div_rn(y3 - z, s) + 0.5), 0.0, TOP).to(tl.uint8)
+        packed = tl.reshape(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6), (BLOCK_N, D4))
+
+        slot = tl.load(LOC + offs_n, mask=mask_n, other=0).to(tl.int64)
+        m2 = mask_n[:, None]
+        tl.store(CODES + slot[:, None] * stride_cs + h * stride_ch + offs_m[None, :], packed, mask=m2)
+        offs_g = tl.arange(0, NG)
+        tl.store(SCALE + slot[:, None] * stride_ss + h * stride_sh + offs_g[None, :],
+                 tl.reshape(scale16, (BLOCK_N, NG)), mask=m2)
+        tl.store(ZERO + slot[:, None] * stride_zs + h * stride_zh + offs_g[None, :],
+                 tl.reshape(zero16, (BLOCK_N, NG)), mask=m2)
+
+
+def _check_clip(clip: float | torch.Tensor | None, hkv: int) -> float | torch.Tensor:
+    if clip is None:
+        return DEFAULT_CLIP_RATIO
+    if isinstance(clip, torch.Tensor):
+        check_clip("clip", clip, hkv)
+        return clip
+    if not 0.0 < float(clip) <= 1.0:
+        raise ValueError(f"clip_ratio must be in (0, 1], got {clip}")
+    return float(clip)
+
+
+def _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc):
+    """Shared by the kernel launcher and the reference: returns ``(g, clip)``."""
+    n, hkv, d = x.shape
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x must be bf16/fp16/fp32, got {x.dtype}")
+    if codes is None:
+        if scale is not None or zero is not None:
+            raise ValueError("codes, scale and zero are given together or not at all")
+        if bf16_out is None:
+            raise ValueError("nothing to store: give codes/scale/zero, bf16_out, or both")
+        g = group_size or d
+    else:
+        if scale is None or zero is None:
+            raise ValueError("codes, scale and zero are given together or not at all")
+        g = group_size or d // max(scale.shape[-1], 1)
+        check_group_size(d, g)
+        if codes.dtype != torch.uint8 or codes.shape[1:] != (hkv, d // CODES_PER_BYTE) or codes.stride(-1) != 1:
+            raise ValueError(f"codes must be uint8 [S, {hkv}, {d // 4}] with contiguous last dim, "
+                             f"got {codes.dtype} {tuple(codes.shape)}")
+        for name, t in (("scale", scale), ("zero", zero)):
+            if t.dtype != torch.float16 or t.shape != (codes.shape[0], hkv, d // g) or t.stride(-1) != 1:
+                raise ValueError(f"{name} must be fp16 [{codes.shape[0]}, {hkv}, {d // g}] with contiguous last dim")
+        if out_cache_loc is None or out_cache_loc.shape != (n,) or out_cache_loc.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"out_cache_loc must be int32/int64 [{n}]")
+    if (bf16_out is None) != (bf16_loc is None):
+        raise ValueError("bf16_out and bf16_loc are given together or not at all")
+    if bf16_out is not None:
+        check_bf16("bf16_out", bf16_out, hkv, d)
+        if bf16_loc.shape != (n,) or bf16_loc.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"bf16_loc must be int32/int64 [{n}]")
+    if rot is not None and (rot.dtype != torch.float32 or rot.dim() != 3 or rot.shape[0] not in (1, hkv)
+                            or rot.shape[1:] != (d, d)):
+        raise ValueError(f"rot must be fp32 [{hkv} or 1, {d}, {d}], got {rot.dtype} {tuple(rot.shape)}")
+    return g, _check_clip(clip, hkv)
 
 
 def quantize_pack(
     x: torch.Tensor,
     rot: torch.Tensor | None,
-    clip_ratio: float,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    out_cache_loc: torch.Tensor,
+    clip: float | torch.Tensor | None,
+    codes: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    zero: torch.Tensor | None,
+    out_cache_loc: torch.Tensor | None,
     group_size: int | None = None,
-    block_n: int = 64,
-    rot_precision: str = "tf32x3",
-    num_warps: int = 4,
+    bf16_out: torch.Tensor | None = None,
+    bf16_loc: torch.Tensor | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+    rot_precision: str = DEFAULT_ROT_PRECISION,
+    num_warps: int = DEFAULT_WARPS,
 ) -> None:
-    """Quantize new rows into their slots, in place.
+    """Quantize new rows into their slots (and optionally store their rotated exact rows), in place, one launch.
 
     Args:
         x: bf16/fp16/fp32 ``[N, Hkv, d]``, the un-rotated K or V of ``N`` new tokens (any strides).
         rot: fp32 ``[Hkv or 1, d, d]``, rotated row ``x' = x @ rot[h]``; ``None`` if ``x`` is already rotated.
-        clip_ratio: clip ratio ``r`` in (0, 1] (``DEFAULT_CLIP_RATIO`` = 1.0 is plain min/max).
-        codes: uint8 ``[S, Hkv, d/4]`` slot pool, written at rows ``out_cache_loc`` (last dim contiguous).
+        clip: clip ratio ``r`` in (0, 1]: a float, or an fp32 ``[Hkv]`` device tensor of per-KV-head ratios (read in
+            the kernel; its values are not checked, which would need a host sync); ``None``: ``DEFAULT_CLIP_RATIO``.
+        codes: uint8 ``[S, Hkv, d/4]`` slot pool, written at rows ``out_cache_loc`` (last dim contiguous);
+            ``None`` (with scale/zero) skips the INT2 store.
         scale, zero: fp16 ``[S, Hkv, d/g]`` slot pools (last dim contiguous).
-        out_cache_loc: int32/int64 ``[N]`` slot of each new token (distinct slots).
-        group_size: ``g`` (default ``d``: one group per head row).
-        block_n: tokens per program (64: fastest of 16/32/64 at a 32k-token prefill on an H200, see
-            benchmarks/NOTES.md).
-        rot_precision: Triton ``input_precision`` of the fused rotation on GPU: ``"tf32x3"`` (default: three
-            tf32 tensor-core passes, ~fp32 accuracy; 205 µs for 32k tokens x 8 heads against 4.3 ms for
-            ``"ieee"`` fp32 FMA, measured on an H200). The interpreter always computes in fp32.
-        num_warps: warps per program.
+        out_cache_loc: int32/int64 ``[N]`` slot of each new token (distinct slots); unused without ``codes``.
+        group_size: ``g`` (default: ``d / scale.shape[-1]``, or ``d`` without codes).
+        bf16_out: optional bf16 ``[R, Hkv, d]`` exact rows: row ``bf16_loc[n]`` gets ``bf16(x'[n])``.
+        bf16_loc: int32/int64 ``[N]`` (with ``bf16_out``): target row of each token, ``-1`` = do not store.
+        block_n: tokens per program (``DEFAULT_BLOCK_N``).
+        rot_precision: Triton ``input_precision`` of the fused rotation on GPU (``DEFAULT_ROT_PRECISION``); the
+            interpreter always computes in fp32.
+        num_warps: warps per program (``DEFAULT_WARPS``).
     """
+    g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc)
     n, hkv, d = x.shape
-    g = group_size or d
-    check_group_size(d, g)
-    if not 0.0 < clip_ratio <= 1.0:
-        raise ValueError(f"clip_ratio must be in (0, 1], got {clip_ratio}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"x must be bf16/fp16/fp32, got {x.dtype}")
-    if codes.dtype != torch.uint8 or codes.shape[1:] != (hkv, d // CODES_PER_BYTE) or codes.stride(-1) != 1:
-        raise ValueError(f"codes must be uint8 [S, {hkv}, {d // 4}] with contiguous last dim, got {codes.dtype} {tuple(codes.shape)}")
-    for name, t in (("scale", scale), ("zero", zero)):
-        if t.dtype != torch.float16 or t.shape[1:] != (hkv, d // g) or t.stride(-1) != 1 or t.shape[0] != codes.shape[0]:
-            raise ValueError(f"{name} must be fp16 [{codes.shape[0]}, {hkv}, {d // g}] with contiguous last dim")
-    if out_cache_loc.shape != (n,) or out_cache_loc.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"out_cache_loc must be int32/int64 [{n}]")
+    if codes is None:
+        check_group_size(d, g)
     if n == 0:
         return
     rotate = rot is not None
-    if rotate:
-        if rot.dtype != torch.float32 or rot.dim() != 3 or rot.shape[0] not in (1, hkv) or rot.shape[1:] != (d, d):
-            raise ValueError(f"rot must be fp32 [{hkv} or 1, {d}, {d}], got {rot.dtype} {tuple(rot.shape)}")
-        rot_strides = rot.stride()
-    else:
-        rot, rot_strides = x, (0, 0, 0)  # unused pointer
+    rot_t, rot_strides = (rot, rot.stride()) if rotate else (x, (0, 0, 0))  # unused pointer without rotation
+    per_head = isinstance(clip, torch.Tensor)
+    store_codes, store_bf16 = codes is not None, bf16_out is not None
+    c_t, s_t, z_t, l_t = (codes, scale, zero, out_cache_loc) if store_codes else (x, x, x, x)
+    b_t, bl_t = (bf16_out, bf16_loc) if store_bf16 else (x, x)
     grid = (triton.cdiv(n, block_n), hkv)
     _quantize_pack_kernel[grid](
-        x, rot, codes, scale, zero, out_cache_loc,
-        n, float(clip_ratio), SCALE_EPS,
+        x, rot_t, clip if per_head else x, c_t, s_t, z_t, l_t, b_t, bl_t,
+        n, DEFAULT_CLIP_RATIO if per_head else clip, SCALE_EPS,
         *x.stride(), *rot_strides,
-        codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1),
+        *(c_t.stride()[:2] if store_codes else (0, 0)), *(s_t.stride()[:2] if store_codes else (0, 0)),
+        *(z_t.stride()[:2] if store_codes else (0, 0)), *(b_t.stride()[:2] if store_bf16 else (0, 0)),
         HEAD_DIM=d, GROUP_SIZE=g, BLOCK_N=block_n,
-        ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1, PRECISION=rot_precision,
+        ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1, CLIP_PER_HEAD=per_head, PRECISION=rot_precision,
+        STORE_CODES=store_codes, STORE_BF16=store_bf16, MAX_CODE=LEVELS,
         num_warps=num_warps,
     )
 
@@ -174,30 +262,37 @@ def quantize_pack(
 def quantize_pack_ref(
     x: torch.Tensor,
     rot: torch.Tensor | None,
-    clip_ratio: float,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    out_cache_loc: torch.Tensor,
+    clip: float | torch.Tensor | None,
+    codes: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    zero: torch.Tensor | None,
+    out_cache_loc: torch.Tensor | None,
     group_size: int | None = None,
+    bf16_out: torch.Tensor | None = None,
+    bf16_loc: torch.Tensor | None = None,
 ) -> None:
     """Plain fp32 torch definition of :func:`quantize_pack` (same arguments, same in-place writes)."""
+    g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc)
     n, hkv, d = x.shape
-    g = group_size or d
     xr = x.float()
     if rot is not None:
         xr = torch.einsum("nhd,hde->nhe", xr, rot.float().expand(hkv, d, d))
+    if bf16_out is not None:
+        keep = bf16_loc >= 0
+        bf16_out[bf16_loc[keep].long()] = xr[keep].to(torch.bfloat16).to(bf16_out.device)
+    if codes is None:
+        return
+    r = clip.view(1, hkv, 1) if isinstance(clip, torch.Tensor) else clip
     xg = xr.unflatten(-1, (-1, g))  # [N, Hkv, G, g]
     mn, mx = xg.amin(-1), xg.amax(-1)
     mid = (mx + mn) * 0.5
-    half = (mx - mn) * 0.5 * clip_ratio
+    half = (mx - mn) * 0.5 * r
     lo, hi = mid - half, mid + half
     s16 = ((hi - lo) / LEVELS).clamp_min(SCALE_EPS).to(torch.float16)
     z16 = lo.to(torch.float16)
     c = torch.floor((xg - z16.float().unsqueeze(-1)) / s16.float().unsqueeze(-1) + 0.5).clamp_(0, LEVELS)
-    c = c.to(torch.uint8).unflatten(-1, (CODES_PER_BYTE, g // CODES_PER_BYTE))  # [N, Hkv, G, 4, B]
-    packed = c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
+    packed = pack(c.flatten(-2).to(torch.uint8), KERNEL_BITS, g)
     loc = out_cache_loc.long()
-    codes[loc] = packed.flatten(-2).to(codes.device)
+    codes[loc] = packed.to(codes.device)
     scale[loc] = s16.to(scale.device)
     zero[loc] = z16.to(zero.device)

@@ -48,7 +48,8 @@ def _to_slots(q: QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def _pack(x: torch.Tensor, r: torch.Tensor, clip: torch.Tensor, group: int) -> QuantizedRows:
-    """Rotate + clip + quantize + pack rows ``[B, H, N, d]`` with :func:`oscar_kernels.quantize_pack`."""
+    """Rotate + clip + quantize + pack rows ``[B, H, N, d]`` with :func:`oscar_kernels.quantize_pack`: one launch,
+    the per-head clip ratios read from a device tensor."""
     from oscar_kernels import quantize_pack
 
     b, h, n, d = x.shape
@@ -57,20 +58,18 @@ def _pack(x: torch.Tensor, r: torch.Tensor, clip: torch.Tensor, group: int) -> Q
     scale = torch.empty(b * n, h, d // group, dtype=torch.float16, device=x.device)
     zero = torch.empty_like(scale)
     loc = torch.arange(b * n, device=x.device, dtype=torch.int32)
-    r = r.float().to(x.device)
-    ratios = clip.float().cpu().tolist()
-    if len(set(ratios)) == 1:  # one clip ratio for every head: one launch
-        quantize_pack(rows, r, ratios[0], codes, scale, zero, loc, group_size=group)
-    else:  # the kernel takes one ratio per launch: one launch per KV head
-        for i in range(h):
-            sl = slice(i, i + 1)
-            quantize_pack(rows[:, sl], r[sl] if r.shape[0] > 1 else r, ratios[i], codes[:, sl], scale[:, sl],
-                          zero[:, sl], loc, group_size=group)
+    quantize_pack(rows, r.float().to(x.device), _head_clip(clip, h, x.device), codes, scale, zero, loc,
+                  group_size=group)
 
     def back(t):
         return t.view(b, n, h, -1).permute(0, 2, 1, 3).contiguous()
 
     return QuantizedRows(back(codes), back(scale), back(zero), 2, group)
+
+
+def _head_clip(clip: torch.Tensor, heads: int, device) -> torch.Tensor:
+    """Clip ratios ``[1 or H]`` -> fp32 ``[H]`` on ``device`` (what the kernels read per KV head)."""
+    return clip.float().reshape(-1).to(device).expand(heads).contiguous()
 
 
 def _ranges(rows: list[list[tuple[int, int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +85,7 @@ def _ranges(rows: list[list[tuple[int, int]]], device) -> tuple[torch.Tensor, to
 
 def decode(layer, query: torch.Tensor, scaling: float, qend: int) -> torch.Tensor:
     """One decode step of ``layer`` (an OscarLayer after ``update``): returns ``[B, 1, Hq, d]``."""
-    from oscar_kernels import decode_int2
+    from oscar_kernels import Int2Pool, LayerCache, decode_index, decode_int2
 
     lq, n = layer.lq, layer.n
     dev = query.device
@@ -132,8 +131,8 @@ def decode(layer, query: torch.Tensor, scaling: float, qend: int) -> torch.Tenso
         # its real sinks still in the head, then its tail (left padding can reach into the tail)
         rows.append([(base + f, base + min(e, head_hi)), (base + lh + max(f - ts, 0), base + lh + n - ts)])
     bf16_indptr, bf16_indices = _ranges(rows, dev)
-    out = decode_int2(
-        query[:, :, 0], rk, rv, kc, ks, kz, vc, vs, vz, kv_indptr, kv_indices,
-        pool_k, pool_v, bf16_indptr, bf16_indices, max_kv_len=max(nq, 1), group_size=lq.group, sm_scale=scaling,
-    )
+    cache = LayerCache(Int2Pool(kc, ks, kz, lq.group), Int2Pool(vc, vs, vz, lq.group), pool_k, pool_v, rk, rv,
+                       _head_clip(lq.clip_k, hkv, dev), _head_clip(lq.clip_v, hkv, dev))
+    index = decode_index(cache, kv_indptr, kv_indices, bf16_indptr, bf16_indices, max_kv_len=max(nq, 1))
+    out = decode_int2(query[:, :, 0], cache, index, sm_scale=scaling)
     return out[:, None].to(query.dtype)

@@ -1,6 +1,7 @@
 """Reference INT2/INT4 row quantizer (pure torch): clip, quantize, pack.
 
-This module *defines* the storage format that the Triton kernels in ``oscar_kernels`` implement.
+The storage format is defined once, in ``oscar_kernels.layout`` (``pack``/``unpack``, ``SCALE_EPS``, imported here);
+this module quantizes rows into it in plain torch, the definition the kernels' references are tested against.
 
 Format, for one row ``x`` of ``d`` elements (already rotated):
 
@@ -23,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from oscar_kernels.layout import SCALE_EPS, pack, unpack
 
-SCALE_EPS = 1e-5
-"""Smallest stored scale: keeps constant groups finite (fp16 represents it as a subnormal-free normal)."""
+__all__ = ["SCALE_EPS", "QuantizedRows", "bits_per_element", "clip_bounds", "dequantize", "fake_quant", "pack",
+           "quantize", "unpack"]
 
 
 @dataclass(frozen=True)
@@ -88,25 +90,6 @@ def dequantize(q: QuantizedRows) -> torch.Tensor:
 def fake_quant(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, group: int | None = None) -> torch.Tensor:
     """Quantize-dequantize round trip, returned in ``x.dtype`` (same shape)."""
     return dequantize(quantize(x, ratio, bits, group)).to(x.dtype)
-
-
-def pack(codes: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """uint8 codes ``[..., d]`` (values < 2**bits) -> packed uint8 ``[..., d * bits / 8]`` (planar layout)."""
-    per_byte = 8 // bits
-    c = codes.to(torch.uint8).unflatten(-1, (-1, per_byte, group // per_byte))  # [..., G, P, B]
-    out = torch.zeros(c.shape[:-2] + c.shape[-1:], dtype=torch.uint8, device=codes.device)
-    for k in range(per_byte):
-        out |= c[..., k, :] << (bits * k)
-    return out.flatten(-2)
-
-
-def unpack(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: uint8 ``[..., d * bits / 8]`` -> uint8 codes ``[..., d]``."""
-    per_byte = 8 // bits
-    mask = (1 << bits) - 1
-    p = packed.unflatten(-1, (-1, group // per_byte))  # [..., G, B]
-    parts = [(p >> (bits * k)) & mask for k in range(per_byte)]
-    return torch.stack(parts, dim=-2).flatten(-3)
 
 
 def bits_per_element(bits: int, group: int, meta_bits: int = 32) -> float:

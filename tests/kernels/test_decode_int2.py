@@ -1,30 +1,44 @@
-"""decode_int2 against its fp32 reference: GQA ratios, head dims, group sizes, ragged lengths, scattered slots."""
+"""decode_int2 against its fp32 reference: GQA ratios, head dims, group sizes, ragged lengths, scattered slots,
+per-sequence split counts inside a fixed grid, both paths; the split policy against the measured defaults."""
 
 import importlib
 import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from int2_cache import DEVICE, ON_GPU, make_cache, rel_err
-from oscar_kernels import decode_int2, decode_int2_ref, decode_workspace
+from oscar_kernels import (
+    DecodeIndex,
+    Int2Pool,
+    LayerCache,
+    decode_index,
+    decode_int2,
+    decode_int2_ref,
+    decode_workspace,
+    default_num_splits,
+    split_policy,
+)
+from oscar_kernels.decode_int2 import split_count
 
-# interpreter: short ragged sequences (incl. an empty INT2 part and an empty BF16 part); GPU: long ones
+# interpreter: short ragged sequences (incl. an empty INT2 part and an empty exact part); GPU: long ones
 INT2_LENS = [3000, 1, 777, 4093] if ON_GPU else [37, 0, 130, 1]
 BF16_LENS = [68, 5, 0, 33] if ON_GPU else [5, 9, 0, 3]
+SPLITS = [3, 1, 6, 2]  # per sequence; the grid holds MAX_SPLITS, so some programs of every sequence exit at once
+MAX_SPLITS = 7
 HKV = 8 if ON_GPU else 2
 # bf16 q with fp16/bf16 tensor-core dots vs fp32 dots in the interpreter
 TOL = dict(atol=5e-2, rtol=5e-2) if ON_GPU else dict(atol=1e-4, rtol=1e-4)
 MAX_REL = 1e-2 if ON_GPU else 1e-5
-decode_module = importlib.import_module("oscar_kernels.decode_int2")  # the module, not the function
+layout_module = importlib.import_module("oscar_kernels.layout")  # the module, not the package's names
 
 
-def _run(gqa, d, g, gen, num_splits=None, out=None, q_dtype=torch.bfloat16, shared_rot=False, sm_scale=None):
-    cache = make_cache(INT2_LENS, BF16_LENS, HKV, d, g, gen, shared_rot=shared_rot)
-    q = (torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen) * 2).to(DEVICE, q_dtype)
-    got = decode_int2(q, *cache.args(), max_kv_len=max(INT2_LENS), group_size=g, sm_scale=sm_scale,
-                      num_splits=num_splits, out=out)
-    ref = decode_int2_ref(q, *cache.args(), group_size=g, sm_scale=sm_scale)
-    return got, ref
+def _poisoned_workspace(bsz, hq, d, max_splits):
+    ws = decode_workspace(bsz, hq, d, max_splits, DEVICE)
+    for t in ws:
+        t.fill_(float("nan"))  # a partial nobody wrote would poison the merge
+    return ws
 
 
 @pytest.mark.parametrize("gqa", [1, 3, 4, 8])
@@ -33,8 +47,13 @@ def _run(gqa, d, g, gen, num_splits=None, out=None, q_dtype=torch.bfloat16, shar
 def test_decode_matches_ref(gqa, d, group):
     g = d if group == "row" else group
     gen = torch.Generator().manual_seed(1000 * gqa + d + g)
-    out = torch.full((len(INT2_LENS), HKV * gqa, d), float("nan"), device=DEVICE)  # fp32 out, poisoned
-    got, ref = _run(gqa, d, g, gen, num_splits=3, out=out)
+    lists = make_cache(INT2_LENS, BF16_LENS, HKV, d, g, gen)
+    q = (torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    index = lists.index(SPLITS, MAX_SPLITS)
+    out = torch.full(q.shape, float("nan"), device=DEVICE)  # fp32 out, poisoned
+    ws = _poisoned_workspace(q.shape[0], q.shape[1], d, MAX_SPLITS)
+    got = decode_int2(q, lists.cache, index, workspace=ws, out=out)
+    ref = decode_int2_ref(q, lists.cache, index)
     assert got is out and torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, **TOL)
     assert rel_err(out, ref) <= MAX_REL
@@ -42,22 +61,32 @@ def test_decode_matches_ref(gqa, d, group):
 
 def test_decode_default_out_dtype():
     gen = torch.Generator().manual_seed(5)
-    got, ref = _run(4, 128, 128, gen)
+    lists = make_cache(INT2_LENS, BF16_LENS, HKV, 128, 128, gen)
+    q = (torch.randn(len(INT2_LENS), HKV * 4, 128, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    index = decode_index(lists.cache, lists.kv_indptr, lists.kv_indices, lists.bf16_indptr, lists.bf16_indices,
+                         max(INT2_LENS))
+    got = decode_int2(q, lists.cache, index)
+    ref = decode_int2_ref(q, lists.cache, index)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     # bf16 rounding of the output on top of the kernel's own error
     torch.testing.assert_close(got.float(), ref, **(dict(atol=6e-2, rtol=5e-2) if ON_GPU else dict(atol=3e-2, rtol=1e-2)))
     assert rel_err(got, ref) <= 1e-2
 
 
-@pytest.mark.parametrize("num_splits", [None, 1, 5])
-def test_decode_splits_out_and_scale(num_splits):
-    """Any split count gives the same answer; a caller-provided (strided, NaN-poisoned) out is fully written."""
-    gen = torch.Generator().manual_seed(7 + (num_splits or 0))
-    d, gqa = 64, 4
+@pytest.mark.parametrize("splits", [[1, 1, 1, 1], [5, 5, 5, 5], [0, 9, 2, 40]])
+def test_decode_split_counts_do_not_change_the_answer(splits):
+    """Any per-sequence split count gives the same answer; counts outside [1, max_splits] are clamped (0 -> 1,
+    9 and 40 -> max_splits); a caller-provided strided, NaN-poisoned out is fully written and nothing else."""
+    gen = torch.Generator().manual_seed(7 + sum(splits))
+    d, gqa, max_splits = 64, 4, 5
+    lists = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen, shared_rot=True)
+    q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.float16)
     big = torch.full((len(INT2_LENS), HKV * gqa, 2 * d), float("nan"), dtype=torch.float32, device=DEVICE)
     out = big[:, :, ::2]
-    got, ref = _run(gqa, d, d, gen, num_splits=num_splits, out=out, q_dtype=torch.float16, shared_rot=True,
-                    sm_scale=0.3 / math.sqrt(d))
+    index = lists.index(splits, max_splits)
+    got = decode_int2(q, lists.cache, index, workspace=_poisoned_workspace(q.shape[0], q.shape[1], d, max_splits),
+                      out=out, sm_scale=0.3 / math.sqrt(d))
+    ref = decode_int2_ref(q, lists.cache, index, sm_scale=0.3 / math.sqrt(d))
     assert got.data_ptr() == out.data_ptr()
     assert torch.isfinite(out).all() and torch.isnan(big[:, :, 1::2]).all()
     torch.testing.assert_close(out, ref, **TOL)
@@ -65,35 +94,43 @@ def test_decode_splits_out_and_scale(num_splits):
 
 def test_decode_rejects_bad_shapes():
     gen = torch.Generator().manual_seed(3)
-    cache = make_cache([4], [2], 2, 64, 64, gen)
+    lists = make_cache([4], [2], 2, 64, 64, gen)
     q = torch.randn(1, 3, 64, generator=gen).to(DEVICE)  # 3 heads over 2 KV heads
     with pytest.raises(ValueError, match="multiple"):
-        decode_int2(q, *cache.args(), max_kv_len=4)
+        decode_int2(q, lists.cache, lists.index(1))
+    q = torch.randn(2, 4, 64, generator=gen).to(DEVICE)  # a batch of 2 against a 1-sequence index
+    with pytest.raises(ValueError, match="kv_indptr"):
+        decode_int2(q, lists.cache, lists.index(1))
+    with pytest.raises(ValueError, match="workspace"):
+        decode_int2(q[:1], lists.cache, lists.index(1), workspace=decode_workspace(1, 4, 64, 3, DEVICE))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_decode_cuda_graph_replay():
-    """Captured once for a length bound, replayed after the index lists change in place."""
+    """Captured once for a split bound, replayed after the lists and the device split counts change in place."""
     gen = torch.Generator().manual_seed(11)
-    d, gqa, splits = 128, 4, 8
-    cache = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen)
+    d, gqa, max_splits = 128, 4, 8
+    lists = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen)
     q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.bfloat16)
     out = torch.empty_like(q)
-    ws = decode_workspace(q.shape[0], q.shape[1], d, splits, DEVICE)
-    decode_int2(q, *cache.args(), max_kv_len=max(INT2_LENS), num_splits=splits, out=out, workspace=ws)
+    ws = decode_workspace(q.shape[0], q.shape[1], d, max_splits, DEVICE)
+    index = lists.index([8, 1, 4, 8], max_splits)
+    decode_int2(q, lists.cache, index, workspace=ws, out=out)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode_int2(q, *cache.args(), max_kv_len=max(INT2_LENS), num_splits=splits, out=out, workspace=ws)
-    # shorten every sequence by 10 tokens (in place), keep capacity
-    lens = (cache.kv_indptr[1:] - cache.kv_indptr[:-1] - 10).clamp_min(0)
-    new_indptr = torch.zeros_like(cache.kv_indptr)
+        decode_int2(q, lists.cache, index, workspace=ws, out=out)
+    # shorten every sequence by 10 tokens (in place), keep capacity; new split counts
+    lens = (lists.kv_indptr[1:] - lists.kv_indptr[:-1] - 10).clamp_min(0)
+    new_indptr = torch.zeros_like(lists.kv_indptr)
     new_indptr[1:] = lens.cumsum(0)
-    new_indices = torch.cat([cache.kv_indices[cache.kv_indptr[b]: cache.kv_indptr[b] + lens[b]] for b in range(len(lens))])
-    cache.kv_indptr.copy_(new_indptr)
-    cache.kv_indices[: new_indices.numel()].copy_(new_indices)
+    new_indices = torch.cat([lists.kv_indices[lists.kv_indptr[b]: lists.kv_indptr[b] + lens[b]]
+                             for b in range(len(lens))])
+    lists.kv_indptr.copy_(new_indptr)
+    lists.kv_indices[: new_indices.numel()].copy_(new_indices)
+    index.num_splits.copy_(torch.tensor([2, 8, 1, 5], dtype=torch.int32))
     out.fill_(float("nan"))
     graph.replay()
-    ref = decode_int2_ref(q, *cache.args())
+    ref = decode_int2_ref(q, lists.cache, index)
     assert rel_err(out, ref) <= MAX_REL
 
 
@@ -106,26 +143,27 @@ def test_decode_paths_agree(path, monkeypatch):
     if path == "general-ptx" and not ON_GPU:
         pytest.skip("the PTX unpack runs on CUDA only")
     if path == "rows-int64":  # pools past 2**31 elements switch to 64-bit offsets; pretend this one is that big
-        monkeypatch.setattr(decode_module, "_max_offset", lambda *ts: 2**31)
+        monkeypatch.setattr(layout_module, "OFFSET64", 1)
     gen = torch.Generator().manual_seed(29)
     d, gqa = 128, 4
-    cache = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen, head_major=not path.endswith("slot-major"))
-    assert (cache.k_codes.stride(0) > cache.k_codes.stride(1)) == path.endswith("slot-major")
+    lists = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen, head_major=not path.endswith("slot-major"))
+    assert (lists.cache.k.codes.stride(0) > lists.cache.k.codes.stride(1)) == path.endswith("slot-major")
+    assert lists.cache.off64 == (path == "rows-int64")
     q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.bfloat16)
     out = torch.full(q.shape, float("nan"), device=DEVICE)
-    decode_int2(q, *cache.args(), max_kv_len=max(INT2_LENS), out=out, row_kernel=path.startswith("rows"),
-                ptx_unpack=path == "general-ptx", num_splits=1 if path == "rows-one-split" else None)
-    ref = decode_int2_ref(q, *cache.args())
+    index = lists.index(1 if path == "rows-one-split" else SPLITS, MAX_SPLITS)
+    decode_int2(q, lists.cache, index, out=out, row_kernel=path.startswith("rows"), ptx_unpack=path == "general-ptx")
+    ref = decode_int2_ref(q, lists.cache, index)
     torch.testing.assert_close(out, ref, **TOL)
     assert rel_err(out, ref) <= MAX_REL
 
 
 def test_decode_row_kernel_needs_row_scales():
     gen = torch.Generator().manual_seed(31)
-    cache = make_cache([4], [2], 2, 128, 32, gen)
+    lists = make_cache([4], [2], 2, 128, 32, gen)
     q = torch.randn(1, 4, 128, generator=gen).to(DEVICE)
     with pytest.raises(ValueError, match="row_kernel"):
-        decode_int2(q, *cache.args(), max_kv_len=4, group_size=32, row_kernel=True)
+        decode_int2(q, lists.cache, lists.index(1), row_kernel=True)
 
 
 def test_decode_odd_strided_pools_take_the_general_path():
@@ -133,14 +171,79 @@ def test_decode_odd_strided_pools_take_the_general_path():
     asking for the row kernel on them is refused."""
     gen = torch.Generator().manual_seed(37)
     d, gqa = 128, 2
-    cache = make_cache([9, 40], [3, 0], 2, d, d, gen)
-    for name in ("k_codes", "v_codes"):
-        c = getattr(cache, name)
-        wide = torch.zeros(c.shape[0], c.shape[1], c.shape[2] + 1, dtype=torch.uint8, device=DEVICE)
-        wide[..., :-1] = c
-        setattr(cache, name, wide[..., :-1])  # row stride d/4 + 1: odd
+    lists = make_cache([9, 40], [3, 0], 2, d, d, gen)
+    pools = []
+    for p in (lists.cache.k, lists.cache.v):
+        wide = torch.zeros(p.codes.shape[0], p.codes.shape[1], p.codes.shape[2] + 1, dtype=torch.uint8, device=DEVICE)
+        wide[..., :-1] = p.codes
+        pools.append(Int2Pool(wide[..., :-1], p.scale, p.zero, p.group_size))  # row stride d/4 + 1: odd
+    c = lists.cache
+    cache = LayerCache(pools[0], pools[1], c.k_bf16, c.v_bf16, c.rot_k, c.rot_v, c.clip_k, c.clip_v)
+    assert cache.k.words is None
     q = torch.randn(2, 2 * gqa, d, generator=gen).to(DEVICE)
-    out = decode_int2(q, *cache.args(), max_kv_len=40)
-    assert rel_err(out, decode_int2_ref(q, *cache.args())) <= MAX_REL
+    index = lists.index([2, 3])
+    out = decode_int2(q, cache, index)
+    assert rel_err(out, decode_int2_ref(q, cache, index)) <= MAX_REL
     with pytest.raises(ValueError, match="row_kernel"):
-        decode_int2(q, *cache.args(), max_kv_len=40, row_kernel=True)
+        decode_int2(q, cache, index, row_kernel=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# split policy
+
+
+def _old_default_num_splits(batch, kv_heads, max_kv_len, row_kernel):
+    """The host policy the tuned constants were measured with (decode_int2.py before device split counts)."""
+    min_programs = 128
+    split_tokens = 2048 if row_kernel else 3072
+    by_len = triton.cdiv(max(max_kv_len, 1), split_tokens)
+    by_programs = triton.cdiv(min_programs, batch * kv_heads)
+    return max(1, min(max(by_len, by_programs), triton.cdiv(max(max_kv_len, 1), 256)))
+
+
+def test_split_policy_reproduces_the_measured_counts():
+    # counts named in RESULTS.md / decode_int2.py for the Qwen3-8B benchmark shapes (8 KV heads, ctx - 128 INT2)
+    named = {(1, 8192, True): 16, (1, 131072, True): 64, (8, 32768, True): 16, (16, 131072, True): 64,
+             (1, 8192, False): 16, (1, 131072, False): 43, (8, 32768, False): 11, (16, 131072, False): 43}
+    for (bs, ctx, rows), want in named.items():
+        assert default_num_splits(bs, 8, ctx - 128, rows) == want, (bs, ctx, rows)
+    for bs in (1, 2, 3, 8, 16, 32, 64):
+        for hkv in (1, 2, 8):
+            for n in (0, 1, 255, 256, 257, 1000, 2048, 4097, 8064, 32640, 130944):
+                for rows in (False, True):
+                    pol = split_policy(bs, hkv, n, rows)
+                    want = _old_default_num_splits(bs, hkv, n, rows)
+                    assert pol.max_splits == want and pol.splits_for(n) == want
+                    # per sequence: never above the bound, shorter sequences get no more splits than longer ones
+                    lens = torch.tensor([0, n // 3, n // 2, n])
+                    got = pol.num_splits(lens)
+                    assert int(got[-1]) == want and bool((got[:-1] <= got[1:]).all()) and int(got.min()) >= 1
+
+
+@triton.jit
+def _split_count_kernel(L, OUT, split_tokens, min_splits, min_split_tokens, max_splits, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(OUT + offs, split_count(tl.load(L + offs), split_tokens, min_splits, min_split_tokens, max_splits))
+
+
+def test_split_count_twin_matches_torch():
+    gen = torch.Generator().manual_seed(41)
+    lens = torch.randint(0, 40000, (64,), generator=gen, dtype=torch.int32)
+    lens[:3] = torch.tensor([0, 1, 256], dtype=torch.int32)
+    for bs, rows, cap in ((1, True, None), (16, False, None), (4, True, 5)):
+        pol = split_policy(bs, 2, 40000, rows, max_splits=cap)
+        out = torch.full((64,), -1, dtype=torch.int32, device=DEVICE)
+        _split_count_kernel[(1,)](lens.to(DEVICE), out, pol.split_tokens, pol.min_splits, pol.min_split_tokens,
+                                  pol.max_splits, BLOCK=64)
+        assert torch.equal(out.cpu(), pol.num_splits(lens))
+
+
+def test_decode_index_gives_uniform_batches_the_old_counts():
+    gen = torch.Generator().manual_seed(43)
+    for d, rows in ((128, True), (64, False)):
+        lists = make_cache([300, 300, 300], [2, 2, 2], 2, d, d, gen)
+        index = decode_index(lists.cache, lists.kv_indptr, lists.kv_indices, lists.bf16_indptr, lists.bf16_indices,
+                             300)
+        want = _old_default_num_splits(3, 2, 300, rows)
+        assert isinstance(index, DecodeIndex) and index.max_splits == want
+        assert index.num_splits.tolist() == [want] * 3

@@ -1,72 +1,103 @@
-"""extend_int2 against its fp32 reference: causal chunk + INT2 prefix + BF16 segment, ragged and scattered."""
+"""extend_int2 against its fp32 reference and against Design P computed from each sequence's un-rotated history:
+ragged chunks after ragged prefixes, left padding, GQA folded into M, window variants, tile skipping."""
 
 import pytest
 import torch
-from int2_cache import DEVICE, ON_GPU, make_cache, rel_err
+from int2_cache import DEVICE, ON_GPU, design_p_case_ref, extend_case, real_rows, rel_err
 from oscar_kernels import extend_int2, extend_int2_ref
 
-NEW_LENS = [130, 1, 67] if ON_GPU else [9, 1, 20]
-INT2_LENS = [1500, 0, 333] if ON_GPU else [13, 0, 21]
-BF16_LENS = [36, 7, 0] if ON_GPU else [4, 3, 0]
+# (start, cached prefix c0, new tokens m): a prefill from scratch, a one-token step under left padding, a chunk
+# after a prefix long enough to have INT2 tokens, sinks and a ring
+SEQS = [(0, 0, 300), (5, 1000, 1), (0, 700, 129)] if ON_GPU else [(0, 0, 21), (2, 13, 1), (0, 30, 17)]
+SINK, RECENT = (64, 256) if ON_GPU else (3, 8)
 HKV = 4 if ON_GPU else 2
 TOL = dict(atol=5e-2, rtol=5e-2) if ON_GPU else dict(atol=1e-4, rtol=1e-4)
 MAX_REL = 1e-2 if ON_GPU else 1e-5
-BLOCKS = dict(block_m=64, block_n=64) if ON_GPU else dict(block_m=32, block_n=32)  # few interpreted programs
+BLOCKS = dict(block_m=64, block_n=64) if ON_GPU else dict(block_m=64, block_n=16)  # several key tiles per list
 
 
-def _indptr(lens):
-    p = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    p[1:] = torch.tensor(lens).cumsum(0)
-    return p.to(DEVICE)
+def _check(case, got, **kw):
+    real = real_rows(case)
+    ref = extend_int2_ref(case.q, case.k_new, case.v_new, case.cache, case.index, **kw)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[real].float(), ref[real], **TOL)
+    assert rel_err(got[real], ref[real]) <= MAX_REL
+    # the reference itself is Design P over the un-rotated history (only fp32 summation order differs)
+    torch.testing.assert_close(ref[real], design_p_case_ref(case, kw.get("sm_scale"))[real], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("group", ["row", 32])
+# every GQA ratio, head dim and group at least twice, each (d, group) pair once or more (interpreter time)
+SHAPES = [(1, 64, "row"), (1, 128, 32), (4, 64, 32), (4, 128, "row"), (8, 64, "row"), (8, 128, 32)]
+
+
+@pytest.mark.parametrize("gqa,d,group", SHAPES)
 def test_extend_matches_ref(gqa, d, group):
     g = d if group == "row" else group
     gen = torch.Generator().manual_seed(100 * gqa + d + g)
-    cache = make_cache(INT2_LENS, BF16_LENS, HKV, d, g, gen)
-    n = sum(NEW_LENS)
-    q = (torch.randn(n, HKV * gqa, d, generator=gen) * 2).to(DEVICE, torch.bfloat16)
-    k = torch.randn(n, HKV, d, generator=gen).to(DEVICE, torch.bfloat16)
-    v = torch.randn(n, HKV, d, generator=gen).to(DEVICE, torch.bfloat16)
-    qo = _indptr(NEW_LENS)
-    out = torch.full(q.shape, float("nan"), device=DEVICE)  # fp32, poisoned
-    got = extend_int2(q, k, v, qo, max(NEW_LENS), *cache.args(), group_size=g, out=out, **BLOCKS)
-    ref = extend_int2_ref(q, k, v, qo, *cache.args(), group_size=g)
-    assert got is out and torch.isfinite(out).all()
-    torch.testing.assert_close(out, ref, **TOL)
-    assert rel_err(out, ref) <= MAX_REL
+    case = extend_case(SEQS, SINK, RECENT, HKV, gqa, d, g, gen)
+    out = torch.full(case.q.shape, float("nan"), device=DEVICE)  # fp32, poisoned
+    got = extend_int2(case.q, case.k_new, case.v_new, case.cache, case.index, out=out, **BLOCKS)
+    assert got is out
+    _check(case, out)
 
 
-def test_extend_prerotated_kv_and_default_out():
+@pytest.mark.parametrize("sink,recent", [(0, 5), (4, 0), (0, 0), (2, 1), (6, 100)])
+def test_extend_window_variants(sink, recent):
+    """No sinks, no recent window (the query's own key through INT2), neither, a one-token window, a window longer
+    than every sequence (everything exact)."""
+    gen = torch.Generator().manual_seed(7 * sink + recent)
+    case = extend_case(SEQS, sink, recent, HKV, 3, 64, 32, gen)
+    out = torch.full(case.q.shape, float("nan"), device=DEVICE)
+    got = extend_int2(case.q, case.k_new, case.v_new, case.cache, case.index, out=out, **BLOCKS)
+    _check(case, got)
+
+
+def test_extend_skips_tiles_no_row_can_use():
+    """Whole tiles of listed keys that no query of the block may read are skipped, not read: INT2 slots past
+    ``t - recent`` and exact rows at gap positions are NaN here, so reading one poisons the output."""
     gen = torch.Generator().manual_seed(17)
-    d, gqa = 64, 4
-    cache = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen, shared_rot=True)
-    n = sum(NEW_LENS)
-    q = torch.randn(n, HKV * gqa, d, generator=gen).to(DEVICE, torch.float16)
-    k = torch.randn(n, HKV, d, generator=gen).to(DEVICE)
-    v = torch.randn(n, HKV, d, generator=gen).to(DEVICE)
-    qo = _indptr(NEW_LENS)
-    got = extend_int2(q, k, v, qo, max(NEW_LENS), *cache.args(), sm_scale=0.05, new_kv_rotated=True, **BLOCKS)
-    ref = extend_int2_ref(q, k, v, qo, *cache.args(), sm_scale=0.05, new_kv_rotated=True)
-    assert got.dtype == torch.float16 and torch.isfinite(got).all()
-    torch.testing.assert_close(got.float(), ref, atol=3e-2 if ON_GPU else 2e-3, rtol=1e-2)
+    seqs = [(0, 40, 23), (3, 60, 5)] if not ON_GPU else [(0, 1200, 300), (3, 900, 64)]
+    case = extend_case(seqs, SINK, RECENT, HKV, 4, 64, 64, gen, unused_tail=16 if not ON_GPU else 64)
+    out = torch.full(case.q.shape, float("nan"), device=DEVICE)
+    got = extend_int2(case.q, case.k_new, case.v_new, case.cache, case.index, out=out, block_m=32, block_n=16)
+    _check(case, got)
+
+
+def test_extend_prerotated_kv_and_sm_scale():
+    """``new_kv_rotated``: the chunk's rows are used as given (the bf16 rows quantize_pack stores)."""
+    gen = torch.Generator().manual_seed(19)
+    case = extend_case(SEQS, SINK, RECENT, HKV, 2, 64, 64, gen)
+    c = case.cache
+    kr = torch.einsum("nhd,hde->nhe", case.k_new.float(), c.rot_k).bfloat16()
+    vr = torch.einsum("nhd,hde->nhe", case.v_new.float(), c.rot_v).bfloat16()
+    got = extend_int2(case.q, kr, vr, c, case.index, sm_scale=0.05, new_kv_rotated=True, **BLOCKS)
+    ref = extend_int2_ref(case.q, kr, vr, c, case.index, sm_scale=0.05, new_kv_rotated=True)
+    real = real_rows(case)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()  # default out: q's dtype
+    torch.testing.assert_close(got[real].float(), ref[real], atol=3e-2 if ON_GPU else 2e-2, rtol=1e-2)  # bf16 out
+    torch.testing.assert_close(ref[real], design_p_case_ref(case, 0.05)[real], atol=1e-5, rtol=1e-5)
 
 
 def test_extend_chunk_only_is_causal_attention():
-    """With no cached tokens and identity rotations the result is plain causal softmax attention."""
+    """With no cached tokens, everything exact and identity rotations the result is plain causal attention."""
     gen = torch.Generator().manual_seed(23)
-    d, hkv, gqa, n = 64, 2, 2, 21
-    cache = make_cache([0], [0], hkv, d, d, gen)
-    eye = torch.eye(d, device=DEVICE).expand(hkv, d, d).contiguous()
-    cache.rot_k, cache.rot_v = eye, eye
-    q = torch.randn(n, hkv * gqa, d, generator=gen).to(DEVICE)
-    k = torch.randn(n, hkv, d, generator=gen).to(DEVICE)
-    v = torch.randn(n, hkv, d, generator=gen).to(DEVICE)
-    got = extend_int2(q, k, v, _indptr([n]), n, *cache.args(), **BLOCKS)
+    n, gqa = 21, 2
+    case = extend_case([(0, 0, n)], 0, n, 2, gqa, 64, 64, gen)
+    eye = torch.eye(64, device=DEVICE).expand(2, 64, 64).contiguous()
+    c = case.cache
+    cache = type(c)(c.k, c.v, c.k_bf16, c.v_bf16, eye, eye, c.clip_k, c.clip_v)
+    q, k, v = case.q.float(), case.k_new.float(), case.v_new.float()
+    got = extend_int2(q, k, v, cache, case.index, **BLOCKS)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.repeat_interleave(gqa, 1).transpose(0, 1), v.repeat_interleave(gqa, 1).transpose(0, 1),
         is_causal=True).transpose(0, 1)
     torch.testing.assert_close(got, want, atol=3e-2 if ON_GPU else 1e-5, rtol=1e-2 if ON_GPU else 1e-5)
+
+
+def test_extend_rejects_bad_shapes():
+    gen = torch.Generator().manual_seed(29)
+    case = extend_case([(0, 0, 4)], 1, 2, 2, 2, 64, 64, gen)
+    with pytest.raises(ValueError, match="k_new"):
+        extend_int2(case.q, case.k_new[:, :1], case.v_new, case.cache, case.index)
+    with pytest.raises(ValueError, match="multiple"):
+        extend_int2(case.q[:, :3], case.k_new, case.v_new, case.cache, case.index)

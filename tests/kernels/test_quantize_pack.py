@@ -1,9 +1,10 @@
-"""quantize_pack (kernel) and quantize_pack_ref (definition) against the format and against each other."""
+"""quantize_pack (kernel) and quantize_pack_ref (definition) against the format and against each other: bit-exact
+packing, fused rotation, per-KV-head clip tensors in one launch, the exact-row output, the INT2-store skip."""
 
 import pytest
 import torch
 from int2_cache import DEVICE, ON_GPU, random_rotation
-from oscar_kernels import Int2Pool, dequantize_ref, pack_ref, quantize_pack, quantize_pack_ref, unpack_ref
+from oscar_kernels import Int2Pool, dequantize_ref, quantize_pack, quantize_pack_ref, unpack
 
 N_TOK = 1031 if ON_GPU else 37  # odd, spans several token blocks
 
@@ -44,18 +45,9 @@ def test_ref_matches_oscar_cli_quantizer(d, group, ratio):
 
 
 @pytest.mark.parametrize("g", [16, 64])
-def test_ref_pack_unpack_and_error_bound(g):
+def test_ref_error_bound(g):
     gen = torch.Generator().manual_seed(g)
     d, hkv, n, ratio = 64, 2, 53, 0.8
-    c = torch.randint(0, 4, (n, hkv, d), generator=gen, dtype=torch.uint8)
-    packed = pack_ref(c, g)
-    assert packed.shape == (n, hkv, d // 4) and torch.equal(unpack_ref(packed, g), c)
-    # bit positions: element k*g + j*B + b sits in byte k*B + b at shift 2j
-    bq = g // 4
-    for k, j, b in [(0, 0, 0), (0, 3, bq - 1), (d // g - 1, 2, 1)]:
-        byte = packed[..., k * bq + b]
-        assert torch.equal((byte >> (2 * j)) & 3, c[..., k * g + j * bq + b])
-
     x = _x(n, hkv, d, gen, torch.float32)
     codes, scale, zero = _pools(n, hkv, d, g, gen)
     quantize_pack_ref(x, None, ratio, codes, scale, zero, torch.arange(n, device=DEVICE), g)
@@ -110,7 +102,7 @@ def test_kernel_fused_rotation(d, group, shared_rot):
     quantize_pack(x, rot, 0.75, *got, loc, g)
     quantize_pack_ref(x, rot, 0.75, *want, loc, g)
     lo = loc.long()
-    cg, cw = unpack_ref(got[0][lo], g).int(), unpack_ref(want[0][lo], g).int()
+    cg, cw = unpack(got[0][lo], 2, g).int(), unpack(want[0][lo], 2, g).int()
     assert (cg - cw).abs().max() <= 1 and (cg != cw).float().mean() < 2e-3
     torch.testing.assert_close(got[1][lo], want[1][lo], atol=1e-4, rtol=2e-3)  # ~1 fp16 ulp
     torch.testing.assert_close(got[2][lo], want[2][lo], atol=1e-4, rtol=2e-3)
@@ -125,3 +117,92 @@ def test_kernel_rejects_bad_args():
         quantize_pack(x, None, 1.5, codes, scale, zero, loc)
     with pytest.raises(ValueError, match="group_size"):
         quantize_pack(x, None, 1.0, codes, scale, zero, loc, group_size=24)
+    clip = torch.tensor([0.9, 1.2], device=DEVICE)  # per-head ratios are the caller's business, shape is checked
+    with pytest.raises(ValueError, match="clip"):
+        quantize_pack(x, None, clip.double(), codes, scale, zero, loc)
+    with pytest.raises(ValueError, match="bf16_loc"):
+        quantize_pack(x, None, 1.0, codes, scale, zero, loc, bf16_out=torch.empty(8, 2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="nothing to store"):
+        quantize_pack(x, None, 1.0, None, None, None, None)
+
+
+def _equal(a, b):
+    """Bitwise equality with NaN == NaN (poisoned slots the kernel must leave alone)."""
+    return torch.equal(a.float().nan_to_num(-7.0), b.float().nan_to_num(-7.0))
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("group", ["row", 32])
+def test_per_head_clip_tensor_is_one_launch_per_head_loop(rotate, group):
+    """A per-KV-head fp32 clip tensor in one launch == one launch per head with its float ratio (and == the ref)."""
+    d, hkv = 64, 4
+    g = d if group == "row" else group
+    gen = torch.Generator().manual_seed(61 + rotate + g)
+    slots = N_TOK + 9
+    x = _x(N_TOK, hkv, d, gen, torch.bfloat16)
+    rot = random_rotation(hkv, d, gen) if rotate else None
+    clip = torch.tensor([0.7, 1.0, 0.85, 0.55], device=DEVICE)
+    loc = torch.randperm(slots, generator=gen)[:N_TOK].to(DEVICE, torch.int32)
+    one = _pools(slots, hkv, d, g, gen, head_major=True)
+    per_head = tuple(t.clone() for t in one)
+    ref = tuple(t.clone() for t in one)
+    quantize_pack(x, rot, clip, *one, loc, g)
+    for h in range(hkv):
+        sl = slice(h, h + 1)
+        quantize_pack(x[:, sl], None if rot is None else rot[sl], float(clip[h]), *(t[:, sl] for t in per_head), loc, g)
+    quantize_pack_ref(x, rot, clip, *ref, loc, g)
+    for a, b in zip(one, per_head, strict=True):
+        assert _equal(a, b)
+    if not rotate:  # bit exact against the definition
+        for a, b in zip(one, ref, strict=True):
+            assert _equal(a, b)
+    # the clip really differs per head: head 3 (0.55) has a smaller scale than it would at 1.0
+    full = _pools(slots, hkv, d, g, gen, head_major=True)
+    quantize_pack_ref(x, rot, 1.0, *full, loc, g)
+    lo = loc.long()
+    assert (one[1][lo, 3].float() < full[1][lo, 3].float()).all()
+    assert torch.equal(one[1][lo, 1], full[1][lo, 1])
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("store_codes", [True, False])
+def test_bf16_rows_at_a_second_index_list(rotate, store_codes):
+    """``bf16_out[bf16_loc[n]] = bf16(x[n] @ R)`` where ``bf16_loc[n] >= 0``, nothing else touched; without codes the
+    INT2 pools stay untouched."""
+    d, hkv, g = 128, 2, 32
+    gen = torch.Generator().manual_seed(71 + 2 * rotate + store_codes)
+    slots, rows = N_TOK + 3, N_TOK + 20
+    x = _x(N_TOK, hkv, d, gen, torch.float32)
+    rot = random_rotation(1, d, gen) if rotate else None
+    loc = torch.randperm(slots, generator=gen)[:N_TOK].to(DEVICE)
+    bloc = torch.randperm(rows, generator=gen)[:N_TOK].to(DEVICE, torch.int32)
+    bloc[::4] = -1  # skipped
+    pools = _pools(slots, hkv, d, g, gen, head_major=True)
+    before = tuple(t.clone() for t in pools)
+    want_pools = tuple(t.clone() for t in pools)
+    out = torch.full((rows, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    want = out.clone()
+    args = (*pools, loc) if store_codes else (None, None, None, None)
+    quantize_pack(x, rot, 0.8, *args, g, bf16_out=out, bf16_loc=bloc)
+    quantize_pack_ref(x, rot, 0.8, *((*want_pools, loc) if store_codes else (None, None, None, None)), g,
+                      bf16_out=want, bf16_loc=bloc)
+    written = torch.zeros(rows, dtype=torch.bool, device=DEVICE)
+    written[bloc[bloc >= 0].long()] = True
+    assert torch.isfinite(out[written]).all() and torch.isnan(out[~written]).all()
+    if rotate:  # fp32 sums in another order: a rare element may round to the neighbouring bf16 value
+        torch.testing.assert_close(out[written].float(), want[written].float(), atol=1e-5, rtol=8e-3)
+        assert (out[written] != want[written]).float().mean() < 1e-3
+        exact = torch.einsum("nhd,hde->nhe", x, rot.expand(hkv, d, d))
+        keep = bloc >= 0
+        torch.testing.assert_close(out[bloc[keep].long()].float(), exact[keep], atol=1e-6, rtol=8e-3)
+    else:
+        keep = bloc >= 0
+        assert torch.equal(out[written], want[written]) and torch.equal(out[bloc[keep].long()], x[keep].bfloat16())
+    if store_codes:
+        if not rotate:
+            for a, b in zip(pools, want_pools, strict=True):
+                assert _equal(a, b)
+        assert torch.isfinite(pools[1][loc]).all()
+    else:
+        for a, b in zip(pools, before, strict=True):
+            assert _equal(a, b)

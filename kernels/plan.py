@@ -1,0 +1,359 @@
+"""Plan once per batch, run once per layer: the index lists of Design P filled on the device, no host sync.
+
+A batch is described as the serving engine holds it (SGLang's ``ForwardBatch``): ``req_to_token`` int32
+``[R, max_ctx]`` (slot of each position of each request), ``req_pool_indices`` int ``[B]`` (the request of each
+sequence, which also owns exact region ``req`` of the :class:`~oscar_kernels.pool.Int2KVPool`), lengths, the slots
+of the new tokens and, under left padding, ``start`` (position of each sequence's first real token; default 0).
+With ``sink_end = start + sink``, a chunk of new tokens at positions ``[c0, c1)`` (decode: ``c0 = n - 1``,
+``c1 = n``) reads, per Design P (see :mod:`oscar_kernels.extend_int2`):
+
+* INT2 slots of positions ``[sink_end, max(sink_end, c1 - recent))``;
+* exact rows of the sinks ``[start, min(sink_end, c_end))`` and of the ring ``[max(sink_end, c0 + 1 - recent),
+  c_end)``, where ``c_end = c1`` for decode (the new token's row is written before the attention) and ``c_end = c0``
+  for extend (the chunk's own rows come straight from the chunk);
+* after an extend, the chunk's rows that stay exact (``p < sink_end`` or ``p >= c1 - recent``) are written to
+  their region rows (the others get -1). Writing the ring before the attention would overwrite rows that earlier
+  queries of the chunk still read.
+
+``plan`` launches two small kernels: ``_plan_lengths_kernel`` (one program: every list's length, the split counts,
+and the ``indptr`` arrays by ``tl.cumsum``) and ``_plan_fill_kernel`` (one program per sequence: slots from
+``req_to_token``, exact rows from :func:`~oscar_kernels.layout.exact_row`, positions, and the chunk's exact rows).
+All buffers are allocated at construction; ``plan`` and ``run`` only launch kernels on them (host ints: batch size,
+token count, length bounds), so ``DecodePlan.run`` can be captured in a CUDA graph and replayed after ``plan`` is
+called again (eagerly) with new lengths for the same batch size. Lengths beyond the construction's
+``max_seq_len`` are clamped to it (the lists would not fit): the caller's contract is ``seq_lens <= max_seq_len``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_int2 import DecodeIndex, decode_int2, decode_workspace, row_path, split_count, split_policy
+from .extend_int2 import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, ExtendIndex, extend_int2
+from .layout import exact_row
+from .pool import Int2KVPool
+
+FILL_BLOCK = 512
+"""Positions per step of ``_plan_fill_kernel``'s loops (the block of SGLang's ``create_flashinfer_kv_indices_triton``;
+not measured here: the fill runs once per batch, not per layer)."""
+
+
+@triton.jit
+def _ranges(c0, ext, first, max_len, SINK: tl.constexpr, RECENT: tl.constexpr, DECODE: tl.constexpr):
+    """Design P position ranges of a chunk ``[c0, c0 + ext)``: INT2, exact sinks, exact ring (half-open)."""
+    c1 = tl.minimum(c0 + ext, max_len)
+    sink_end = first + SINK
+    i2_hi = tl.maximum(sink_end, c1 - RECENT)
+    if DECODE:
+        c_end = c1
+    else:
+        c_end = tl.minimum(c0, c1)
+    s_hi = tl.maximum(first, tl.minimum(sink_end, c_end))
+    r_lo = tl.maximum(sink_end, c0 + 1 - RECENT)
+    r_hi = tl.maximum(r_lo, c_end)
+    return c1, sink_end, i2_hi, s_hi, r_lo, r_hi
+
+
+@triton.jit
+def _plan_lengths_kernel(
+    C0, EXT, START, KV_INDPTR, BF16_INDPTR, QO_INDPTR, NUM_SPLITS,
+    batch, max_len, split_tokens, min_splits, min_split_tokens, max_splits,
+    SINK: tl.constexpr, RECENT: tl.constexpr, DECODE: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK_B)
+    m = offs < batch
+    c0 = tl.load(C0 + offs, mask=m, other=0)
+    ext = tl.load(EXT + offs, mask=m, other=0)
+    first = tl.load(START + offs, mask=m, other=0)
+    c1, sink_end, i2_hi, s_hi, r_lo, r_hi = _ranges(c0, ext, first, max_len, SINK, RECENT, DECODE)
+    n_int2 = tl.where(m, i2_hi - sink_end, 0)
+    n_ex = tl.where(m, (s_hi - first) + (r_hi - r_lo), 0)
+    tl.store(KV_INDPTR, 0)
+    tl.store(BF16_INDPTR, 0)
+    tl.store(KV_INDPTR + 1 + offs, tl.cumsum(n_int2, 0), mask=m)
+    tl.store(BF16_INDPTR + 1 + offs, tl.cumsum(n_ex, 0), mask=m)
+    if DECODE:  # one token per sequence: qo_indptr is a fixed arange; every sequence gets its split count
+        tl.store(NUM_SPLITS + offs, split_count(n_int2, split_tokens, min_splits, min_split_tokens, max_splits),
+                 mask=m)
+    else:
+        tl.store(QO_INDPTR, 0)
+        tl.store(QO_INDPTR + 1 + offs, tl.cumsum(tl.where(m, ext, 0), 0), mask=m)
+
+
+@triton.jit
+def _plan_fill_kernel(
+    REQ_TO_TOKEN, stride_rt, REQ, C0, EXT, START,
+    KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES, BF16_POS, QO_INDPTR, BF16_LOC,
+    max_len,
+    SINK: tl.constexpr, RECENT: tl.constexpr, DECODE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    req = tl.load(REQ + b).to(tl.int64)
+    c0 = tl.load(C0 + b)
+    ext = tl.load(EXT + b)
+    first = tl.load(START + b)
+    c1, sink_end, i2_hi, s_hi, r_lo, r_hi = _ranges(c0, ext, first, max_len, SINK, RECENT, DECODE)
+    offs = tl.arange(0, BLOCK)
+    tokens = REQ_TO_TOKEN + req * stride_rt
+    # INT2 slots of positions [sink_end, i2_hi)
+    kv_off = tl.load(KV_INDPTR + b)
+    for i in range(0, i2_hi - sink_end, BLOCK):
+        mk = i + offs < i2_hi - sink_end
+        tl.store(KV_INDICES + kv_off + i + offs, tl.load(tokens + sink_end + i + offs, mask=mk), mask=mk)
+    # exact rows: sinks [first, s_hi), then the ring [r_lo, r_hi)
+    ex_off = tl.load(BF16_INDPTR + b)
+    n_s = s_hi - first
+    for i in range(0, n_s + r_hi - r_lo, BLOCK):
+        e = i + offs
+        mk = e < n_s + r_hi - r_lo
+        p = tl.where(e < n_s, first + e, r_lo + e - n_s)
+        tl.store(BF16_INDICES + ex_off + e, exact_row(req, p, first, SINK, RECENT).to(tl.int32), mask=mk)
+        if not DECODE:
+            tl.store(BF16_POS + ex_off + e, p, mask=mk)
+    # the chunk's rows that stay exact (decode: the new token, written before the attention)
+    qo = tl.load(QO_INDPTR + b)
+    for i in range(0, ext, BLOCK):
+        mk = i + offs < ext
+        p = c0 + i + offs
+        keep = (p < sink_end) | (p >= c1 - RECENT)
+        row = tl.where(keep, exact_row(req, p, first, SINK, RECENT), -1)
+        tl.store(BF16_LOC + qo + i + offs, row.to(tl.int32), mask=mk)
+
+
+def _check_batch(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, max_batch: int) -> int:
+    if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2 or req_to_token.stride(-1) != 1:
+        raise ValueError(f"req_to_token must be int32 [R, max_ctx] with a contiguous last dim, got "
+                         f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
+    if req_pool_indices.dim() != 1 or req_pool_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError("req_pool_indices must be int32/int64 [B]")
+    bsz = req_pool_indices.shape[0]
+    if bsz > max_batch:
+        raise ValueError(f"batch {bsz} exceeds the plan's max_batch {max_batch}")
+    return bsz
+
+
+def _check_len(name: str, t: torch.Tensor, n: int) -> None:
+    if t.shape != (n,) or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32/int64 [{n}], got {t.dtype} {tuple(t.shape)}")
+
+
+class _Plan:
+    """Buffers and the two planning launches shared by :class:`DecodePlan` and :class:`ExtendPlan`."""
+
+    def __init__(self, pool: Int2KVPool, max_batch: int, max_seq_len: int, max_tokens: int):
+        if max_batch < 1 or max_seq_len < 1 or max_tokens < 1:
+            raise ValueError("max_batch, max_seq_len and max_tokens must be >= 1")
+        self.pool = pool
+        self.max_batch, self.max_seq_len, self.max_tokens = max_batch, max_seq_len, max_tokens
+        dev = pool.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        nx = max(max_batch * pool.rows_per_request, 1)
+        self._buffers: dict[str, torch.Tensor] = {}
+        for name, size in (("c0", max_batch), ("ext", max_batch), ("start", max_batch), ("num_splits", max_batch),
+                           ("qo_indptr", max_batch + 1), ("kv_indptr", max_batch + 1), ("bf16_indptr", max_batch + 1),
+                           ("kv_indices", max_batch * max_seq_len), ("bf16_indices", nx), ("bf16_pos", nx),
+                           ("bf16_loc", max_tokens)):
+            self._buffers[name] = torch.zeros(size, **i32)
+        self._buffers["req"] = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self._buffers["loc"] = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
+        self.batch = 0
+        self.tokens = 0
+
+    def workspace_bytes(self) -> int:
+        """Device bytes this plan allocated at construction (index buffers, decode workspace, scratch)."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def _fill(self, req_to_token, req_pool_indices, c0, ext, start, loc, bsz, policy=None) -> None:
+        decode = policy is not None
+        b = self._buffers
+        b["req"][:bsz].copy_(req_pool_indices)
+        b["c0"][:bsz].copy_(c0)
+        if decode:
+            b["c0"][:bsz].sub_(1)  # seq_lens counts the new token
+        else:
+            b["ext"][:bsz].copy_(ext)
+        if start is None:
+            b["start"][:bsz].zero_()
+        else:
+            _check_len("start", start, bsz)
+            b["start"][:bsz].copy_(start)
+        b["loc"][:loc.shape[0]].copy_(loc)
+        if bsz == 0:
+            return
+        pool = self.pool
+        sp = (policy.split_tokens, policy.min_splits, policy.min_split_tokens, policy.max_splits) if decode \
+            else (1, 1, 1, 1)
+        _plan_lengths_kernel[(1,)](
+            b["c0"], b["ext"], b["start"], b["kv_indptr"], b["bf16_indptr"], b["qo_indptr"], b["num_splits"],
+            bsz, self.max_seq_len, *sp,
+            SINK=pool.sink, RECENT=pool.recent, DECODE=decode, BLOCK_B=triton.next_power_of_2(bsz),
+        )
+        _plan_fill_kernel[(bsz,)](
+            req_to_token, req_to_token.stride(0), b["req"], b["c0"], b["ext"], b["start"],
+            b["kv_indptr"], b["kv_indices"], b["bf16_indptr"], b["bf16_indices"], b["bf16_pos"], b["qo_indptr"],
+            b["bf16_loc"],
+            self.max_seq_len,
+            SINK=pool.sink, RECENT=pool.recent, DECODE=decode, BLOCK=FILL_BLOCK,
+        )
+
+
+class DecodePlan(_Plan):
+    """Decode steps of up to ``max_batch`` sequences of up to ``max_seq_len`` tokens (new token included).
+
+    Allocates at construction (``workspace_bytes()`` counts them): ``kv_indices`` int32 ``[max_batch * max_seq_len]``,
+    ``bf16_indices`` int32 ``[max_batch * (sink + recent)]``, the ``[max_batch + 1]`` indptr arrays, ``num_splits``,
+    per-sequence request / position / start / slot / exact-row buffers, and the decode workspace (``part_o`` fp32
+    ``[max_batch, q_heads, max_splits + 1, d]``, ``part_lse``, ``q_rot``).
+
+    Args:
+        pool: the :class:`~oscar_kernels.pool.Int2KVPool` the steps read and write.
+        max_batch, max_seq_len: capacity.
+        max_splits: the INT2 split bound of the grid (default: :func:`~oscar_kernels.decode_int2.split_policy` for a
+            uniform ``max_batch`` batch at ``max_seq_len``, i.e. the measured defaults' counts at that bound; a
+            smaller batch of shorter sequences then gets the same counts as the old host policy, capped here).
+        q_heads: query heads (sets the workspace).
+        sm_scale: softmax scale (default ``1/sqrt(d)``).
+        row_kernel, **tuning: passed to :func:`~oscar_kernels.decode_int2.decode_int2` (``block_n``,
+            ``num_warps``, ...; defaults are the measured ones).
+    """
+
+    def __init__(self, pool: Int2KVPool, max_batch: int, max_seq_len: int, max_splits: int | None = None, *,
+                 q_heads: int, sm_scale: float | None = None, row_kernel: bool | None = None, **tuning):
+        super().__init__(pool, max_batch, max_seq_len, max_batch)
+        if q_heads % pool.kv_heads:
+            raise ValueError(f"q_heads {q_heads} must be a multiple of the pool's KV heads {pool.kv_heads}")
+        self.q_heads = q_heads
+        self.row_kernel = row_path(pool.layer(0), row_kernel)
+        self._int2_bound = self._int2_len(max_seq_len)
+        self.max_splits = split_policy(max_batch, pool.kv_heads, self._int2_bound, self.row_kernel,
+                                       max_splits).max_splits
+        self.sm_scale = 1.0 / math.sqrt(pool.head_dim) if sm_scale is None else sm_scale
+        self.tuning = tuning
+        b = self._buffers
+        b["qo_indptr"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))  # one token per sequence
+        b["ext"].fill_(1)
+        part_o, part_lse, q_rot = decode_workspace(max_batch, q_heads, pool.head_dim, self.max_splits, pool.device)
+        b["part_o"], b["part_lse"], b["q_rot"] = part_o, part_lse, q_rot
+        self.index: DecodeIndex | None = None
+
+    def _int2_len(self, seq_len: int) -> int:
+        return max(seq_len - self.pool.sink - self.pool.recent, 1)
+
+    def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+             out_cache_loc: torch.Tensor, start: torch.Tensor | None = None, max_seq_len: int | None = None) -> None:
+        """Fill the lists of one decode step (device work only).
+
+        Args:
+            req_to_token: int32 ``[R, max_ctx]`` slots of each request's positions (the new token's included).
+            req_pool_indices: int32/int64 ``[B]`` request of each sequence.
+            seq_lens: int32/int64 ``[B]`` tokens per sequence INCLUDING the new one (at position ``seq_len - 1``).
+            out_cache_loc: int32/int64 ``[B]`` INT2 slot of each new token.
+            start: optional int32/int64 ``[B]`` first real position (default 0).
+            max_seq_len: optional host bound of this batch's ``seq_lens`` (sets the occupancy part of the split
+                policy; default the construction's).
+        """
+        bsz = _check_batch(req_to_token, req_pool_indices, self.max_batch)
+        _check_len("seq_lens", seq_lens, bsz)
+        _check_len("out_cache_loc", out_cache_loc, bsz)
+        bound = self._int2_len(min(max_seq_len or self.max_seq_len, self.max_seq_len))
+        policy = split_policy(bsz, self.pool.kv_heads, bound, self.row_kernel, self.max_splits)
+        self._fill(req_to_token, req_pool_indices, seq_lens, None, start, out_cache_loc, bsz, policy)
+        b = self._buffers
+        self.batch = self.tokens = bsz
+        self.index = DecodeIndex(b["kv_indptr"][:bsz + 1], b["kv_indices"], b["bf16_indptr"][:bsz + 1],
+                                 b["bf16_indices"], b["num_splits"][:bsz], self.max_splits)
+        self._workspace = (b["part_o"][:bsz], b["part_lse"][:bsz], b["q_rot"][:bsz])
+
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer of the planned step: write the new tokens (INT2 code + exact row, one launch each for K and V),
+        then decode attention. q ``[B, Hq, d]``, k/v ``[B, Hkv, d]`` un-rotated; returns ``out`` ``[B, Hq, d]``."""
+        b, n = self._buffers, self.batch
+        self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["bf16_loc"][:n])
+        return self.attend(layer, q, out)
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention of the planned step over what the pool holds (no write)."""
+        if self.index is None:
+            raise RuntimeError("call plan() before run()")
+        return decode_int2(q, self.pool.layer(layer), self.index, workspace=self._workspace, out=out,
+                           sm_scale=self.sm_scale, row_kernel=self.row_kernel, **self.tuning)
+
+
+class ExtendPlan(_Plan):
+    """Extend (prefill) steps of up to ``max_batch`` sequences, ``max_tokens`` new tokens in all, ``max_seq_len``
+    tokens per sequence.
+
+    Allocates at construction (``workspace_bytes()``): the index buffers (``kv_indices`` int32
+    ``[max_batch * max_seq_len]``, ``bf16_indices``/``bf16_pos`` int32 ``[max_batch * (sink + recent)]``, indptr
+    arrays, per-sequence buffers), per-token slots and exact rows ``[max_tokens]``, and bf16 scratch
+    ``[max_tokens, Hkv, d]`` for K and V holding the chunk's rotated rows (written by the same ``quantize_pack``
+    launch as the INT2 codes, read by the attention, then copied to their exact rows).
+
+    Args:
+        pool, max_batch, max_tokens, max_seq_len: as above.
+        sm_scale: softmax scale (default ``1/sqrt(d)``).
+        block_m, block_n, **tuning: passed to :func:`~oscar_kernels.extend_int2.extend_int2`.
+    """
+
+    def __init__(self, pool: Int2KVPool, max_batch: int, max_tokens: int, max_seq_len: int, *,
+                 sm_scale: float | None = None, block_m: int = DEFAULT_BLOCK_M, block_n: int = DEFAULT_BLOCK_N,
+                 **tuning):
+        super().__init__(pool, max_batch, max_seq_len, max_tokens)
+        self.sm_scale = 1.0 / math.sqrt(pool.head_dim) if sm_scale is None else sm_scale
+        self.tuning = dict(block_m=block_m, block_n=block_n, **tuning)
+        b = self._buffers
+        b["arange"] = torch.arange(max_tokens, dtype=torch.int32, device=pool.device)
+        for name in ("scratch_k", "scratch_v"):
+            b[name] = torch.empty(max_tokens, pool.kv_heads, pool.head_dim, dtype=torch.bfloat16, device=pool.device)
+        self.index: ExtendIndex | None = None
+
+    def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+             extend_lens: torch.Tensor, out_cache_loc: torch.Tensor, start: torch.Tensor | None = None,
+             max_extend_len: int | None = None, max_seq_len: int | None = None) -> None:
+        """Fill the lists of one extend step (device work only).
+
+        Args:
+            req_to_token: int32 ``[R, max_ctx]`` slots of each request's positions (the chunk's included).
+            req_pool_indices: int32/int64 ``[B]``.
+            prefix_lens: int32/int64 ``[B]`` cached tokens before each chunk (``c0``; the chunk starts there).
+            extend_lens: int32/int64 ``[B]`` new tokens per sequence (rows of ``q`` in sequence order).
+            out_cache_loc: int32/int64 ``[N]`` INT2 slot of each new token, ``N = sum(extend_lens)``.
+            start: optional int32/int64 ``[B]`` first real position (default 0).
+            max_extend_len: host bound of ``extend_lens`` (sets the grid; default ``N``).
+            max_seq_len: host bound of ``prefix_lens + extend_lens`` (checked against the construction's).
+        """
+        bsz = _check_batch(req_to_token, req_pool_indices, self.max_batch)
+        _check_len("prefix_lens", prefix_lens, bsz)
+        _check_len("extend_lens", extend_lens, bsz)
+        n = out_cache_loc.shape[0]
+        _check_len("out_cache_loc", out_cache_loc, n)
+        if n > self.max_tokens:
+            raise ValueError(f"{n} new tokens exceed the plan's max_tokens {self.max_tokens}")
+        if max_seq_len is not None and max_seq_len > self.max_seq_len:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the plan's {self.max_seq_len}")
+        self._fill(req_to_token, req_pool_indices, prefix_lens, extend_lens, start, out_cache_loc, bsz)
+        b = self._buffers
+        self.batch, self.tokens = bsz, n
+        self.index = ExtendIndex(b["qo_indptr"][:bsz + 1], b["c0"][:bsz], b["start"][:bsz], b["kv_indptr"][:bsz + 1],
+                                 b["kv_indices"], b["bf16_indptr"][:bsz + 1], b["bf16_indices"], b["bf16_pos"],
+                                 n if max_extend_len is None else int(max_extend_len), self.pool.sink,
+                                 self.pool.recent)
+
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer of the planned step: INT2 codes of all new tokens (and their rotated rows into the scratch),
+        the extend attention, then the chunk's exact rows. q ``[N, Hq, d]``, k/v ``[N, Hkv, d]`` un-rotated."""
+        if self.index is None:
+            raise RuntimeError("call plan() before run()")
+        n, b = self.tokens, self._buffers
+        sk, sv = b["scratch_k"][:n], b["scratch_v"][:n]
+        self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["arange"][:n], bf16_out=(sk, sv))
+        out = extend_int2(q, sk, sv, self.pool.layer(layer), self.index, sm_scale=self.sm_scale, out=out,
+                          new_kv_rotated=True, **self.tuning)
+        self.pool.write_exact(layer, b["bf16_loc"][:n], sk, sv, rotated=True)
+        return out
