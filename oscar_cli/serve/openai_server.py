@@ -147,7 +147,7 @@ def create_app(engine: TransformersEngine, config: ServeConfig | None = None) ->
         raise ServeConfigError(f"--max-context {context} exceeds the model's {engine.max_position} positions")
     served = cfg.model_id or engine.loaded.slug
     metrics = Metrics()
-    vocab = len(engine.tokenizer)
+    vocab = int(getattr(engine.model.config, "vocab_size", None) or len(engine.tokenizer))  # ids the model embeds
 
     @asynccontextmanager
     async def lifespan(app):

@@ -32,7 +32,7 @@ def free_port() -> int:
 class Server:
     """``create_app(engine, config)`` under uvicorn in a background thread on a free port."""
 
-    def __init__(self, engine, **config):
+    def __init__(self, engine, grace_s: float = 2.0, **config):
         import uvicorn
 
         from oscar_cli.serve.config import ServeConfig
@@ -42,7 +42,7 @@ class Server:
         self.config = ServeConfig(port=free_port(), **config)
         self.app = create_app(engine, self.config)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.config.port,
-                                                    log_level="warning", timeout_graceful_shutdown=2))
+                                                    log_level="warning", timeout_graceful_shutdown=grace_s))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
