@@ -32,7 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_int2 import DecodeIndex, decode_int2, decode_workspace, row_path, split_count, split_policy
+from .decode_int2 import (
+    MIN_SPLIT_TOKENS,
+    DecodeIndex,
+    decode_int2,
+    decode_workspace,
+    row_path,
+    split_count,
+    split_policy,
+)
 from .extend_int2 import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, ExtendIndex, extend_int2
 from .layout import exact_row
 from .pool import Int2KVPool
@@ -217,20 +225,25 @@ class DecodePlan(_Plan):
             smaller batch of shorter sequences then gets the same counts as the old host policy, capped here).
         q_heads: query heads (sets the workspace).
         sm_scale: softmax scale (default ``1/sqrt(d)``).
+        split_tokens, min_programs, min_split_tokens: the split policy's knobs
+            (:func:`~oscar_kernels.decode_int2.split_policy`; defaults are the measured ones).
         row_kernel, **tuning: passed to :func:`~oscar_kernels.decode_int2.decode_int2` (``block_n``,
             ``num_warps``, ...; defaults are the measured ones).
     """
 
     def __init__(self, pool: Int2KVPool, max_batch: int, max_seq_len: int, max_splits: int | None = None, *,
-                 q_heads: int, sm_scale: float | None = None, row_kernel: bool | None = None, **tuning):
+                 q_heads: int, sm_scale: float | None = None, row_kernel: bool | None = None,
+                 split_tokens: int | None = None, min_programs: int | None = None,
+                 min_split_tokens: int = MIN_SPLIT_TOKENS, **tuning):
         super().__init__(pool, max_batch, max_seq_len, max_batch)
         if q_heads % pool.kv_heads:
             raise ValueError(f"q_heads {q_heads} must be a multiple of the pool's KV heads {pool.kv_heads}")
         self.q_heads = q_heads
         self.row_kernel = row_path(pool.layer(0), row_kernel)
-        self._int2_bound = self._int2_len(max_seq_len)
-        self.max_splits = split_policy(max_batch, pool.kv_heads, self._int2_bound, self.row_kernel,
-                                       max_splits).max_splits
+        self._policy_args = dict(min_programs=min_programs, split_tokens=split_tokens,
+                                 min_split_tokens=min_split_tokens)
+        self.max_splits = split_policy(max_batch, pool.kv_heads, self._int2_len(max_seq_len), self.row_kernel,
+                                       max_splits, **self._policy_args).max_splits
         self.sm_scale = 1.0 / math.sqrt(pool.head_dim) if sm_scale is None else sm_scale
         self.tuning = tuning
         b = self._buffers
@@ -260,7 +273,7 @@ class DecodePlan(_Plan):
         _check_len("seq_lens", seq_lens, bsz)
         _check_len("out_cache_loc", out_cache_loc, bsz)
         bound = self._int2_len(min(max_seq_len or self.max_seq_len, self.max_seq_len))
-        policy = split_policy(bsz, self.pool.kv_heads, bound, self.row_kernel, self.max_splits)
+        policy = split_policy(bsz, self.pool.kv_heads, bound, self.row_kernel, self.max_splits, **self._policy_args)
         self._fill(req_to_token, req_pool_indices, seq_lens, None, start, out_cache_loc, bsz, policy)
         b = self._buffers
         self.batch = self.tokens = bsz
@@ -272,6 +285,8 @@ class DecodePlan(_Plan):
             out: torch.Tensor | None = None) -> torch.Tensor:
         """One layer of the planned step: write the new tokens (INT2 code + exact row, one launch each for K and V),
         then decode attention. q ``[B, Hq, d]``, k/v ``[B, Hkv, d]`` un-rotated; returns ``out`` ``[B, Hq, d]``."""
+        if self.index is None:
+            raise RuntimeError("call plan() before run()")
         b, n = self._buffers, self.batch
         self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["bf16_loc"][:n])
         return self.attend(layer, q, out)

@@ -4,22 +4,14 @@ import torch
 from oscar_cli import quantizer as qz
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("d,group", [(64, 64), (64, 16), (128, 32), (80, 80)])
-def test_pack_unpack_is_exact(bits, d, group):
-    codes = torch.randint(0, 1 << bits, (7, 3, d), dtype=torch.uint8)
-    packed = qz.pack(codes, bits, group)
-    assert packed.shape == (7, 3, d * bits // 8) and packed.dtype == torch.uint8
-    assert torch.equal(qz.unpack(packed, bits, group), codes)
+def test_packing_is_the_kernels_layout():
+    """One definition of the format: the quantizer packs with oscar_kernels.layout (tested in tests/kernels)."""
+    from oscar_kernels import layout
 
-
-def test_packed_layout_is_planar():
-    codes = torch.arange(16, dtype=torch.uint8).remainder(4).view(1, 16)  # group 16 -> 4 bytes
-    packed = qz.pack(codes, 2, 16)
-    # byte b holds elements b, b+4, b+8, b+12 at shifts 0, 2, 4, 6
-    for b in range(4):
-        expect = sum(int(codes[0, b + 4 * k]) << (2 * k) for k in range(4))
-        assert packed[0, b].item() == expect
+    assert qz.pack is layout.pack and qz.unpack is layout.unpack and qz.SCALE_EPS == layout.SCALE_EPS
+    x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0))
+    q = qz.quantize(x, 0.9, bits=4, group=16)
+    assert q.codes.shape == (5, 3, 32) and torch.equal(layout.pack(layout.unpack(q.codes, 4, 16), 4, 16), q.codes)
 
 
 @pytest.mark.parametrize("bits", [2, 4])

@@ -1,0 +1,266 @@
+"""DecodePlan / ExtendPlan end to end: a tiny engine (requests, req_to_token, scattered slots) prefills and decodes
+through plan/run, and every output is checked against Design P computed from the un-rotated K/V history of its
+sequence (quantised with quantize_pack_ref semantics, exact rows bf16 after rotation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from int2_cache import DEVICE, ON_GPU, History, design_p_ref, random_rotation, rel_err
+from oscar_kernels import DecodePlan, ExtendPlan, Int2KVPool, exact_row_ref
+from oscar_kernels.scheme import QuantScheme
+
+TOL = dict(atol=5e-2, rtol=5e-2) if ON_GPU else dict(atol=2e-4, rtol=2e-4)
+MAX_REL = 1e-2 if ON_GPU else 2e-5
+# small split knobs so that short interpreted sequences get several INT2 splits (defaults are the measured ones)
+SPLITS = dict(split_tokens=8, min_split_tokens=4, min_programs=1, max_splits=3)
+EXTEND_BLOCKS = dict(block_m=64, block_n=16)
+
+
+class Engine:
+    """Requests with pre-drawn un-rotated histories (bf16 values), one layer, a req_to_token map of scattered slots,
+    everything unwritten poisoned with NaN."""
+
+    def __init__(self, scheme: QuantScheme, hkv: int, gqa: int, d: int, reqs: int, max_ctx: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.scheme, self.hkv, self.hq, self.d, self.max_ctx = scheme, hkv, hkv * gqa, d, max_ctx
+        rot_k = random_rotation(hkv, d, gen)[None]
+        rot_v = random_rotation(hkv, d, gen)[None]
+        clip_k = 0.6 + 0.4 * torch.rand(1, hkv, generator=gen)
+        clip_v = 0.6 + 0.4 * torch.rand(1, hkv, generator=gen)
+        slots = reqs * max_ctx + 9
+        self.pool = Int2KVPool(scheme, 1, hkv, d, slots, reqs, rot_k, rot_v, clip_k, clip_v, device=DEVICE)
+        c = self.pool.layer(0)
+        for p in (c.k, c.v):
+            p.codes.copy_(torch.randint(0, 256, p.codes.shape, generator=gen, dtype=torch.uint8))
+            p.scale.fill_(float("nan"))
+            p.zero.fill_(float("nan"))
+        c.k_bf16.fill_(float("nan"))
+        c.v_bf16.fill_(float("nan"))
+        perm = torch.randperm(slots, generator=gen)[: reqs * max_ctx]
+        self.req_to_token = perm.view(reqs, max_ctx).to(DEVICE, torch.int32)
+        outlier = 1.0 + 4.0 * (torch.rand(d, generator=gen) > 0.9).float()
+        self.k = (torch.randn(reqs, max_ctx, hkv, d, generator=gen) * outlier).to(DEVICE, torch.bfloat16)
+        self.v = torch.randn(reqs, max_ctx, hkv, d, generator=gen).to(DEVICE, torch.bfloat16)
+        self.q = (torch.randn(reqs, max_ctx, self.hq, d, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+
+    def _ref(self, req: int, start: int, positions: list[int]) -> torch.Tensor:
+        c = self.pool.layer(0)
+        hist = History(self.k[req, : positions[-1] + 1].float(), self.v[req, : positions[-1] + 1].float(), start)
+        return design_p_ref(self.q[req, positions], hist, positions, c.rot_k, c.rot_v, c.clip_k, c.clip_v,
+                            self.scheme.sink, self.scheme.recent, self.pool.group_size)
+
+    def extend(self, plan: ExtendPlan, reqs: list[int], c0: list[int], m: list[int], start: list[int]):
+        """One extend step through the plan: returns (output, reference) over the real query rows."""
+        pos = [list(range(a, a + b)) for a, b in zip(c0, m, strict=True)]
+        loc = torch.cat([self.req_to_token[r, p] for r, p in zip(reqs, pos, strict=True)])
+        i = lambda x: torch.tensor(x, device=DEVICE)  # noqa: E731
+        plan.plan(self.req_to_token, i(reqs), i(c0), i(m), loc, start=i(start), max_extend_len=max(m))
+        q = torch.cat([self.q[r, p] for r, p in zip(reqs, pos, strict=True)])
+        k = torch.cat([self.k[r, p] for r, p in zip(reqs, pos, strict=True)])
+        v = torch.cat([self.v[r, p] for r, p in zip(reqs, pos, strict=True)])
+        out = torch.full(q.shape, float("nan"), device=DEVICE)
+        plan.run(0, q, k, v, out=out)
+        ref = torch.cat([self._ref(r, s, p) for r, s, p in zip(reqs, start, pos, strict=True)])
+        real = torch.tensor([x >= s for s, p in zip(start, pos, strict=True) for x in p], device=DEVICE)
+        return out[real], ref[real]
+
+    def decode(self, plan: DecodePlan, reqs: list[int], n: list[int], start: list[int]):
+        """One decode step (new token at position n - 1) through the plan: (output, reference)."""
+        i = lambda x: torch.tensor(x, device=DEVICE)  # noqa: E731
+        loc = torch.stack([self.req_to_token[r, x - 1] for r, x in zip(reqs, n, strict=True)])
+        plan.plan(self.req_to_token, i(reqs), i(n), loc, start=i(start))
+        pos = [x - 1 for x in n]
+        out = torch.full((len(reqs), self.hq, self.d), float("nan"), device=DEVICE)
+        plan.run(0, self.q[reqs, pos], self.k[reqs, pos], self.v[reqs, pos], out=out)
+        ref = torch.cat([self._ref(r, s, [p]) for r, s, p in zip(reqs, start, pos, strict=True)])
+        return out, ref
+
+    def state(self) -> list[torch.Tensor]:
+        c = self.pool.layer(0)
+        return [c.k.codes, c.k.scale, c.k.zero, c.v.codes, c.v.scale, c.v.zero, c.k_bf16, c.v_bf16]
+
+
+def _close(out, ref):
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **TOL)
+    assert rel_err(out, ref) <= MAX_REL
+
+
+CASES = [  # scheme, hkv, gqa, d, prefill lengths, starts
+    (QuantScheme(group=32, sink=3, recent=6), 2, 4, 64, [20, 9, 33], [0, 2, 0]),
+    (QuantScheme(group=0, sink=0, recent=4), 2, 2, 128, [17, 1, 30], [0, 0, 4]),  # row-scale decode path
+    (QuantScheme(group=0, sink=2, recent=0), 1, 8, 64, [12, 25, 5], [1, 0, 0]),  # own key through INT2
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_prefill_then_decode_matches_design_p(case):
+    """One extend over three requests (scattered slots, request order != pool order, left padding), then decode steps
+    on the SAME plan buffers with new lengths each step (ring wrap-around included): every output is Design P."""
+    scheme, hkv, gqa, d, lens, start = CASES[case]
+    steps = 3
+    eng = Engine(scheme, hkv, gqa, d, reqs=4, max_ctx=max(lens) + steps, seed=10 + case)
+    reqs = [2, 0, 3]
+    ext = ExtendPlan(eng.pool, 4, sum(lens), eng.max_ctx, **EXTEND_BLOCKS)
+    _close(*eng.extend(ext, reqs, [0, 0, 0], lens, start))
+    dec = DecodePlan(eng.pool, 4, eng.max_ctx, q_heads=eng.hq, **SPLITS)
+    ptrs = None
+    for s in range(steps):
+        n = [x + 1 + s for x in lens]
+        _close(*eng.decode(dec, reqs, n, start))
+        idx = dec.index
+        now = [t.data_ptr() for t in (idx.kv_indptr, idx.kv_indices, idx.bf16_indices, idx.num_splits)]
+        assert ptrs is None or now == ptrs  # same buffers, new contents
+        ptrs = now
+    # the split counts really vary per sequence inside the fixed grid
+    assert dec.index.max_splits == SPLITS["max_splits"] and len(set(dec.index.num_splits.tolist())) > 1
+
+
+def test_plan_lists_follow_design_p():
+    """The device-filled lists against the spec's ranges, written out in Python."""
+    sink, recent = 3, 5
+    eng = Engine(QuantScheme(group=32, sink=sink, recent=recent), 1, 1, 64, reqs=3, max_ctx=40, seed=3)
+    r2t = eng.req_to_token.cpu()
+    reqs, start = [1, 2, 0], [0, 4, 2]
+    i = lambda x: torch.tensor(x, device=DEVICE)  # noqa: E731
+
+    def rows(req, ps, st):
+        return exact_row_ref(req, torch.tensor(ps, dtype=torch.long), st, sink, recent).tolist()
+
+    # decode: seq_lens count the new token
+    n = [30, 6, 10]
+    dec = DecodePlan(eng.pool, 3, 40, q_heads=1)
+    dec.plan(eng.req_to_token, i(reqs), i(n), i([0, 1, 2]), start=i(start))
+    idx = dec.index
+    for b, (r, x, st) in enumerate(zip(reqs, n, start, strict=True)):
+        se = st + sink
+        int2 = list(range(se, max(se, x - recent)))
+        ex = list(range(st, min(se, x))) + list(range(max(se, x - recent), x))
+        assert idx.kv_indices[idx.kv_indptr[b]:idx.kv_indptr[b + 1]].tolist() == r2t[r, int2].tolist()
+        assert idx.bf16_indices[idx.bf16_indptr[b]:idx.bf16_indptr[b + 1]].tolist() == rows(r, ex, st)
+        new_row = rows(r, [x - 1], st)[0]
+        assert dec._buffers["bf16_loc"][b].item() == new_row
+    # extend: chunk [c0, c1), the cached lists end before the chunk, chunk rows that stay exact get their rows
+    c0, m = [20, 0, 3], [7, 9, 1]
+    ext = ExtendPlan(eng.pool, 3, sum(m), 40)
+    loc = i(list(range(sum(m))))
+    ext.plan(eng.req_to_token, i(reqs), i(c0), i(m), loc, start=i(start))
+    xi = ext.index
+    assert xi.qo_indptr.tolist() == [0, 7, 16, 17] and xi.q_pos0.tolist() == c0 and xi.max_new_len == sum(m)
+    bloc = ext._buffers["bf16_loc"][: sum(m)].tolist()
+    row0 = 0
+    for b, (r, a, k, st) in enumerate(zip(reqs, c0, m, start, strict=True)):
+        se, c1 = st + sink, a + k
+        int2 = list(range(se, max(se, c1 - recent)))
+        ex = list(range(st, min(se, a))) + list(range(max(se, a + 1 - recent), a))
+        assert xi.kv_indices[xi.kv_indptr[b]:xi.kv_indptr[b + 1]].tolist() == r2t[r, int2].tolist()
+        sl = slice(xi.bf16_indptr[b], xi.bf16_indptr[b + 1])
+        assert xi.bf16_indices[sl].tolist() == rows(r, ex, st) and xi.bf16_pos[sl].tolist() == ex
+        want = [rows(r, [p], st)[0] if p >= st and (p < se or p >= c1 - recent) else -1 for p in range(a, c1)]
+        assert bloc[row0:row0 + k] == want
+        row0 += k
+
+
+def test_decode_equals_extend_of_one_token():
+    scheme = QuantScheme(group=32, sink=2, recent=5)
+    eng = Engine(scheme, 2, 4, 64, reqs=3, max_ctx=30, seed=21)
+    reqs, lens, start = [1, 2, 0], [14, 3, 22], [0, 1, 0]
+    ext = ExtendPlan(eng.pool, 3, sum(lens), 30, **EXTEND_BLOCKS)
+    eng.extend(ext, reqs, [0, 0, 0], lens, start)
+    before = [t.clone() for t in eng.state()]
+    out_d, ref = eng.decode(DecodePlan(eng.pool, 3, 30, q_heads=eng.hq, **SPLITS), reqs, [x + 1 for x in lens], start)
+    after_d = [t.clone() for t in eng.state()]
+    for t, b in zip(eng.state(), before, strict=True):
+        t.copy_(b)
+    out_e, _ = eng.extend(ext, reqs, lens, [1, 1, 1], start)
+    torch.testing.assert_close(out_e, out_d, atol=1e-5 if not ON_GPU else 2e-2, rtol=1e-5 if not ON_GPU else 2e-2)
+    _close(out_e, ref)
+    for a, b in zip(eng.state(), after_d, strict=True):  # the same slots and rows written, with the same values
+        assert torch.equal(a.float().nan_to_num(-7.0), b.float().nan_to_num(-7.0))
+
+
+def test_chunked_extend_equals_one_extend():
+    scheme = QuantScheme(group=0, sink=3, recent=6)
+    reqs, start = [0, 1], [0, 2]
+    first, second = [11, 4], [9, 13]
+    total = [a + b for a, b in zip(first, second, strict=True)]
+    one = Engine(scheme, 2, 2, 64, reqs=2, max_ctx=max(total), seed=31)
+    two = Engine(scheme, 2, 2, 64, reqs=2, max_ctx=max(total), seed=31)
+    out_one, ref_one = one.extend(ExtendPlan(one.pool, 2, sum(total), one.max_ctx, **EXTEND_BLOCKS), reqs, [0, 0],
+                                  total, start)
+    plan = ExtendPlan(two.pool, 2, sum(total), two.max_ctx, **EXTEND_BLOCKS)
+    out_a, _ = two.extend(plan, reqs, [0, 0], first, start)
+    out_b, _ = two.extend(plan, reqs, first, second, start)
+    _close(out_one, ref_one)
+    # reassemble the two chunks in the one-extend row order (real rows only: sequence 1 starts at 2)
+    pieces_a = [out_a[: first[0]], out_a[first[0]:]]
+    pieces_b = [out_b[: second[0]], out_b[second[0]:]]
+    chunked = torch.cat([pieces_a[0], pieces_b[0], pieces_a[1], pieces_b[1]])
+    torch.testing.assert_close(chunked, out_one, atol=1e-5 if not ON_GPU else 2e-2, rtol=1e-5 if not ON_GPU else 2e-2)
+    for a, b in zip(one.state(), two.state(), strict=True):
+        assert torch.equal(a.float().nan_to_num(-7.0), b.float().nan_to_num(-7.0))
+
+
+def test_workspace_bytes_and_limits():
+    eng = Engine(QuantScheme(group=32, sink=2, recent=6), 2, 4, 64, reqs=3, max_ctx=20, seed=5)
+    dec = DecodePlan(eng.pool, 3, 20, q_heads=8, max_splits=5)
+    b, rows, hq, parts, d = 3, 3 * 8, 8, 6, 64
+    int32 = 4 * b + 3 * (b + 1) + b * 20 + 2 * rows + b  # per-sequence, indptrs, INT2 list, exact list + positions, rows
+    int64 = 2 * b  # request and slot of each new token
+    workspace = b * hq * parts * d * 4 + b * hq * parts * 4 + b * hq * d * 4  # part_o, part_lse, q_rot
+    assert dec.workspace_bytes() == 4 * int32 + 8 * int64 + workspace
+    ext = ExtendPlan(eng.pool, 3, 16, 20)
+    assert ext.workspace_bytes() > 2 * 16 * 2 * 64 * 2  # includes the bf16 K/V scratch
+    i = lambda x: torch.tensor(x, device=DEVICE)  # noqa: E731
+    with pytest.raises(ValueError, match="max_batch"):
+        dec.plan(eng.req_to_token, i([0, 1, 2, 0]), i([3, 3, 3, 3]), i([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match="req_to_token"):
+        dec.plan(eng.req_to_token.long(), i([0]), i([3]), i([0]))
+    with pytest.raises(ValueError, match="max_tokens"):
+        ext.plan(eng.req_to_token, i([0]), i([0]), i([17]), i(list(range(17))))
+    with pytest.raises(RuntimeError, match="plan"):
+        DecodePlan(eng.pool, 1, 8, q_heads=8).run(0, *(torch.zeros(1, h, 64, device=DEVICE) for h in (8, 2, 2)))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_decode_run_cuda_graph_replay_over_changing_lengths():
+    """DecodePlan.run captured once; plan() re-run eagerly with new lengths before each replay; no host sync in
+    plan or run; every replay is Design P."""
+    scheme = QuantScheme(group=0, sink=4, recent=16)
+    eng = Engine(scheme, 2, 4, 128, reqs=3, max_ctx=600, seed=41)
+    reqs, lens, start = [2, 0, 1], [300, 17, 520], [0, 3, 0]
+    ext = ExtendPlan(eng.pool, 3, sum(lens), 600)
+    eng.extend(ext, reqs, [0, 0, 0], lens, start)
+    dec = DecodePlan(eng.pool, 3, 600, q_heads=eng.hq, max_splits=4, split_tokens=64, min_split_tokens=32)
+    i = lambda x: torch.tensor(x, device=DEVICE)  # noqa: E731
+    q = torch.zeros(3, eng.hq, 128, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.zeros(3, 2, 128, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    out = torch.empty(3, eng.hq, 128, device=DEVICE, dtype=torch.float32)
+    r2t, reqs_t, start_t = eng.req_to_token, i(reqs), i(start)
+
+    def stage(n):
+        pos = [x - 1 for x in n]
+        torch.cuda.set_sync_debug_mode("error")
+        dec.plan(r2t, reqs_t, i(n).to(DEVICE, non_blocking=True), r2t[reqs_t, i(pos)], start=start_t)
+        torch.cuda.set_sync_debug_mode("default")
+        q.copy_(eng.q[reqs, pos])
+        k.copy_(eng.k[reqs, pos])
+        v.copy_(eng.v[reqs, pos])
+        return pos
+
+    stage([x + 1 for x in lens])
+    torch.cuda.set_sync_debug_mode("error")
+    dec.run(0, q, k, v, out=out)  # warm up (compiles), no sync
+    torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.run(0, q, k, v, out=out)
+    for s in range(1, 4):
+        n = [x + 1 + s for x in lens]
+        pos = stage(n)
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = torch.cat([eng._ref(r, st, [p]) for r, st, p in zip(reqs, start, pos, strict=True)])
+        _close(out, ref)

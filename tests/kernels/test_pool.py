@@ -1,0 +1,137 @@
+"""Int2KVPool: writes against quantize_pack_ref (per-head rotations and clips, exact rows at a second list),
+exact-only writes, the row map, per-layer LayerCaches, byte accounting, refused schemes."""
+
+import pytest
+import torch
+from int2_cache import DEVICE, random_rotation
+from oscar_kernels import Int2KVPool, Int2Pool, exact_row_ref, quantize_pack_ref
+from oscar_kernels.scheme import QuantScheme, SchemeError
+
+L, HKV, D = 2, 2, 64
+
+
+def _pool(scheme=None, slots=40, reqs=3, shared_rot=False, gen=None, clip_k=None, clip_v=None):
+    gen = gen or torch.Generator().manual_seed(0)
+    scheme = scheme or QuantScheme(group=32, sink=2, recent=4)
+    h = 1 if shared_rot else HKV
+    rot_k = torch.stack([random_rotation(h, D, gen) for _ in range(L)])
+    rot_v = torch.stack([random_rotation(h, D, gen) for _ in range(L)])
+    pool = Int2KVPool(scheme, L, HKV, D, slots, reqs, rot_k, rot_v, clip_k, clip_v, device=DEVICE)
+    for i in range(L):  # poison: anything not written stays NaN
+        c = pool.layer(i)
+        for p in (c.k, c.v):
+            p.codes.copy_(torch.randint(0, 256, p.codes.shape, generator=gen, dtype=torch.uint8))
+            p.scale.fill_(float("nan"))
+            p.zero.fill_(float("nan"))
+        c.k_bf16.fill_(float("nan"))
+        c.v_bf16.fill_(float("nan"))
+    return pool
+
+
+def _nan_equal(a, b):
+    return torch.equal(a.float().nan_to_num(-7.0), b.float().nan_to_num(-7.0))
+
+
+def test_write_matches_the_reference_with_per_head_clips():
+    gen = torch.Generator().manual_seed(1)
+    clip_k = torch.tensor([[0.9, 0.7], [1.0, 0.6]])
+    clip_v = torch.tensor([[0.8], [0.95]])  # one ratio per layer, expanded to the KV heads
+    pool = _pool(gen=gen, clip_k=clip_k, clip_v=clip_v)
+    c = pool.layer(1)
+    assert torch.equal(c.clip_k.cpu(), clip_k[1]) and torch.equal(c.clip_v.cpu(), torch.tensor([0.95, 0.95]))
+    n = 11
+    k = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    loc = torch.randperm(40, generator=gen)[:n].to(DEVICE)
+    rows = pool.exact_rows(torch.tensor([1] * n), torch.arange(n), 0).to(DEVICE)  # request 1, positions 0..10
+    rows[2:5] = -1
+    want = {name: t.clone() for name, t in (("kc", c.k.codes), ("ks", c.k.scale), ("kz", c.k.zero),
+                                            ("vc", c.v.codes), ("vs", c.v.scale), ("vz", c.v.zero),
+                                            ("kb", c.k_bf16), ("vb", c.v_bf16))}
+    l0 = {name: t.clone() for name, t in (("kc", pool.layer(0).k.codes), ("kb", pool.layer(0).k_bf16))}
+    pool.write(1, loc, k, v, bf16_loc=rows)
+    quantize_pack_ref(k, c.rot_k, c.clip_k, want["kc"], want["ks"], want["kz"], loc, 32, bf16_out=want["kb"],
+                      bf16_loc=rows)
+    quantize_pack_ref(v, c.rot_v, c.clip_v, want["vc"], want["vs"], want["vz"], loc, 32, bf16_out=want["vb"],
+                      bf16_loc=rows)
+    lo = loc.long()
+    # fused rotation: fp32 sums in another order, so a rare code or bf16 value may move by one step
+    for got, ref in ((c.k.codes, want["kc"]), (c.v.codes, want["vc"])):
+        assert (got[lo] != ref[lo]).float().mean() < 1e-2
+    for got, ref in ((c.k.scale, want["ks"]), (c.v.zero, want["vz"])):
+        torch.testing.assert_close(got[lo], ref[lo], atol=1e-4, rtol=2e-3)
+    for got, ref in ((c.k_bf16, want["kb"]), (c.v_bf16, want["vb"])):
+        assert torch.isnan(got).eq(torch.isnan(ref)).all()  # the same rows written, the rest untouched
+        torch.testing.assert_close(got.nan_to_num(0.0).float(), ref.nan_to_num(0.0).float(), atol=1e-5, rtol=8e-3)
+    free = torch.ones(40, dtype=torch.bool, device=DEVICE)
+    free[lo] = False
+    assert torch.isnan(c.k.scale[free]).all() and torch.isfinite(c.k.scale[lo]).all()
+    # the other layer is untouched
+    assert torch.equal(pool.layer(0).k.codes, l0["kc"]) and _nan_equal(pool.layer(0).k_bf16, l0["kb"])
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_write_exact_stores_rows_only(rotated):
+    gen = torch.Generator().manual_seed(2 + rotated)
+    pool = _pool(gen=gen, shared_rot=True)
+    c = pool.layer(0)
+    n = 6
+    k = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    rows = torch.tensor([0, 5, -1, 7, 12, 17], device=DEVICE)
+    codes = c.k.codes.clone()
+    pool.write_exact(0, rows, k, v, rotated=rotated)
+    keep = rows >= 0
+    rk = torch.eye(D, device=DEVICE) if rotated else c.rot_k[0]
+    rv = torch.eye(D, device=DEVICE) if rotated else c.rot_v[0]
+    torch.testing.assert_close(c.k_bf16[rows[keep]].float(), (k[keep].float() @ rk).bfloat16().float(),
+                               atol=1e-5, rtol=8e-3)
+    torch.testing.assert_close(c.v_bf16[rows[keep]].float(), (v[keep].float() @ rv).bfloat16().float(),
+                               atol=1e-5, rtol=8e-3)
+    others = torch.ones(c.k_bf16.shape[0], dtype=torch.bool, device=DEVICE)
+    others[rows[keep]] = False
+    assert torch.isnan(c.k_bf16[others]).all() and torch.isnan(c.v_bf16[others]).all()
+    assert torch.equal(c.k.codes, codes) and torch.isnan(c.k.scale).all()  # no INT2 store
+
+
+def test_exact_rows_is_the_layout_map():
+    pool = _pool()
+    req = torch.tensor([0, 2, 2, 1])
+    pos = torch.tensor([1, 9, 3, 0])
+    assert torch.equal(pool.exact_rows(req, pos), exact_row_ref(req, pos, 0, 2, 4))
+    assert torch.equal(pool.exact_rows(req, pos, start=torch.tensor([0, 1, 1, 1])),
+                       exact_row_ref(req, pos, torch.tensor([0, 1, 1, 1]), 2, 4))
+    assert pool.exact_rows(2, 9).item() == 2 * 6 + 2 + (9 - 2) % 4
+    assert pool.exact_rows(1, 0, start=1).item() == -1
+
+
+def test_layers_and_accounting():
+    scheme = QuantScheme(group=0, sink=3, recent=5)  # group = d: one scale/zero per head row
+    pool = _pool(scheme, slots=50, reqs=4)
+    assert pool.group_size == D and pool.rows_per_request == 8
+    c = pool.layer(1)
+    assert isinstance(c.k, Int2Pool) and c.k.slots == 50 and c.k_bf16.shape == (4 * 8, HKV, D)
+    assert c.rot_k.shape == (HKV, D, D) and c.clip_k.shape == (HKV,) and torch.all(c.clip_k == 1.0)
+    assert pool.layer(0).k.codes.data_ptr() != c.k.codes.data_ptr()
+    # per token, all layers, K and V: d/4 code bytes + fp16 scale and zero per head
+    assert pool.cell_bytes == L * 2 * HKV * (D // 4 + 4) == 160
+    assert pool.exact_bytes == L * 2 * 4 * 8 * HKV * D * 2
+    rot_clip = L * 2 * (HKV * D * D * 4 + HKV * 4)
+    assert pool.nbytes == pool.cell_bytes * 50 + pool.exact_bytes + rot_clip
+    # the Qwen3-8B shape at 2.25 bits/element: 36 layers x 8 KV heads x (32 + 4) bytes x K and V per token
+    eye = torch.eye(128).expand(36, 1, 128, 128)
+    qwen = Int2KVPool(QuantScheme(), 36, 8, 128, 2, 1, eye, eye, device=DEVICE)
+    assert qwen.cell_bytes == 36 * 8 * 36 * 2 and qwen.cell_bytes * 8 / (36 * 2 * 8 * 128) == 2.25
+    assert qwen.exact_bytes == 36 * 2 * (64 + 256) * 8 * 128 * 2
+
+
+def test_refuses_what_the_kernels_cannot_run():
+    gen = torch.Generator().manual_seed(4)
+    rot = torch.eye(D).expand(L, 1, D, D)
+    for scheme, d in ((QuantScheme(bits=4), D), (QuantScheme(group=8), D), (QuantScheme(), 80)):
+        with pytest.raises(SchemeError, match="kernels"):
+            Int2KVPool(scheme, L, HKV, d, 8, 1, torch.eye(d).expand(L, 1, d, d), torch.eye(d).expand(L, 1, d, d))
+    with pytest.raises(ValueError, match="clip"):
+        Int2KVPool(QuantScheme(), L, HKV, D, 8, 1, rot, rot, clip_k=torch.full((L, HKV), 1.5))
+    with pytest.raises(ValueError, match="rot_k"):
+        Int2KVPool(QuantScheme(), L, HKV, D, 8, 1, random_rotation(HKV, D, gen), rot)
