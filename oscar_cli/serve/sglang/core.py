@@ -9,10 +9,11 @@
   ``out_cache_loc``, request ids) and fill a :class:`oscar_kernels.DecodePlan` / :class:`oscar_kernels.ExtendPlan`;
   per layer, :meth:`~OscarAttention.forward_decode` / :meth:`~OscarAttention.forward_extend` run them.
 
-Extend, per layer, in this order: restore anchors into the regions of requests on their first extend, snapshot the
-anchors this chunk takes (rows of positions before the chunk from the region, rows inside it from the chunk's k/v),
-then ``ExtendPlan.run`` (INT2 codes, attention, the chunk's exact rows). Decode: ``DecodePlan.run``; planning runs
-eagerly before every CUDA-graph replay, the run is what the graph holds.
+Extend, per layer, in this order: restore anchors into the regions of requests on their first extend; anchors inside
+a chunk (every ``anchor_interval`` positions): rows of positions before the chunk from the region, rows inside it from
+the chunk's k/v; ``ExtendPlan.run`` (INT2 codes, attention, the chunk's exact rows); the chunk-end anchor, copied
+from the region, which now holds exactly its rows. Decode: ``DecodePlan.run``; planning runs eagerly before every
+CUDA-graph replay, the run is what the graph holds.
 
 Host work per batch uses host ints only (lengths from SGLang's ``*_cpu`` lists, request ids); device lookups
 (anchor entries, request rows) stay on the device: no host synchronisation in planning or runs.
@@ -131,6 +132,7 @@ class OscarAttention:
         self._loc = torch.zeros(max_batch, dtype=torch.int64, device=kv.device)
         self._restore: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._capture_end: tuple[torch.Tensor, torch.Tensor] | None = None
         self.restore_misses = torch.zeros((), dtype=torch.int64, device=kv.device)
         """Device counter of restores that found no anchor (0 by construction; checked by tests)."""
 
@@ -162,7 +164,7 @@ class OscarAttention:
         request ``rids[b]`` (``rids`` None: a graph-capture batch, no anchors restored or taken)."""
         kv = self.kv
         kv.table.clear_slots(out_cache_loc)
-        self._restore = self._capture = None
+        self._restore = self._capture = self._capture_end = None
         if rids is not None:
             self._plan_anchors(req_pool_indices, out_cache_loc, list(prefix_cpu), list(extend_cpu), list(rids))
         ends = [c0 + n for c0, n in zip(prefix_cpu, extend_cpu, strict=True)]
@@ -190,8 +192,10 @@ class OscarAttention:
             dst = pool.exact_rows(req, p)
             src = torch.where(entry >= 0, pool.exact_rows(kv.entry_request(entry.clamp_min(0)), p), dst)
             self._restore = (src, dst)
-        # captures: anchors this chunk takes
-        o_b, o_p, o_e, n_p, n_e, n_t, k_e, k_t = [], [], [], [], [], [], [], []
+        # captures: anchors this chunk takes. The chunk-end anchor is copied from the region after the run (which
+        # then holds exactly its rows); one inside the chunk takes rows before the chunk from the region and its own
+        # rows from the chunk's k/v, before the run overwrites the ring.
+        o_b, o_p, o_e, n_p, n_e, n_t, e_b, e_p, e_e, k_e, k_t = [], [], [], [], [], [], [], [], [], [], []
         qo = 0
         for b, (c0, n, rid) in enumerate(zip(prefix, ext, rids, strict=True)):
             kv.table.unpin(rid)  # its restore (if any) is planned: ordered before any later write to the entry
@@ -202,7 +206,11 @@ class OscarAttention:
                 k_e.append(e)
                 k_t.append(qo + a - 1 - c0)
                 for pos in anchored_positions(a, sink, recent):
-                    if pos < c0:
+                    if a == c0 + n:
+                        e_b.append(b)
+                        e_p.append(pos)
+                        e_e.append(e)
+                    elif pos < c0:
                         o_b.append(b)
                         o_p.append(pos)
                         o_e.append(e)
@@ -213,12 +221,18 @@ class OscarAttention:
             kv.remember(rid, c0 + n)
             qo += n
         if k_e:
-            t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-            old_src = pool.exact_rows(rpi.to(dev).long()[t(o_b)], t(o_p)) if o_b else t([])
-            old_dst = pool.exact_rows(kv.entry_request(t(o_e)), t(o_p)) if o_b else t([])
-            new_rows = pool.exact_rows(kv.entry_request(t(n_e)), t(n_p)) if n_p else t([])
-            self._capture = (old_src, old_dst, new_rows, t(n_t))
-            kv.table.bind(t(k_e), loc.to(dev).long()[t(k_t)])
+            req = rpi.to(dev).long()
+
+            def rows(b_idx, e_idx, p):  # (request rows, entry rows) of positions p
+                p = _ints(p, dev)
+                return pool.exact_rows(req[_ints(b_idx, dev)], p), pool.exact_rows(kv.entry_request(_ints(e_idx, dev)), p)
+
+            old_src, old_dst = rows(o_b, o_e, o_p)
+            end_src, end_dst = rows(e_b, e_e, e_p)
+            new_rows = pool.exact_rows(kv.entry_request(_ints(n_e, dev)), _ints(n_p, dev))
+            self._capture = (old_src, old_dst, new_rows, _ints(n_t, dev))
+            self._capture_end = (end_src, end_dst)
+            kv.table.bind(_ints(k_e, dev), loc.to(dev).long()[_ints(k_t, dev)])
 
     def forward_extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
@@ -231,4 +245,11 @@ class OscarAttention:
             kv.copy_rows(old_src, old_dst, layers=(layer,))
             if new_rows.numel():
                 kv.pool.write_exact(layer, new_rows, k[new_tok], v[new_tok])
-        return self.extend.run(layer, q, k, v, out=out)
+        out = self.extend.run(layer, q, k, v, out=out)
+        if self._capture_end is not None:
+            kv.copy_rows(*self._capture_end, layers=(layer,))
+        return out
+
+
+def _ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
