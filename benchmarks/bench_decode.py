@@ -1,26 +1,34 @@
-"""Decode attention on Qwen3-8B shapes: INT2 (decode_int2) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
+"""Decode on Qwen3-8B shapes: INT2 (``DecodePlan``) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
 
-Usage: python benchmarks/bench_decode.py --commit $(git rev-parse --short HEAD) [--sweep] [--results benchmarks/RESULTS.md]
-Prints a table (median µs, GB/s on the bytes each kernel reads, ratio to the best BF16 backend, fraction of
-the copy bandwidth measured in the same run) and appends it to RESULTS.md. Random data, never zeros.
-Each INT2 context is ``ctx - BF16_TOKENS`` INT2 tokens plus a BF16 sink/recent segment of ``BF16_TOKENS``.
+Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep] [--results benchmarks/RESULTS.md]
+Prints a table (median µs, GB/s on the bytes the attention reads, ratio to the best BF16 backend measured in the same
+run, fraction of the copy bandwidth measured in the same run) and appends it to RESULTS.md with the date, device,
+commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is planned by ``DecodePlan`` over an
+``Int2KVPool`` with 64 sinks and a 64-token recent window: ``ctx - 128`` INT2 tokens plus 128 exact rows, the shapes
+of the earlier tables (RESULTS.md, commits 529689a, dda96f4, dbd78bb). "INT2 µs" is ``DecodePlan.attend`` (the
+attention alone, comparable with those tables); "run µs" is ``DecodePlan.run`` (the new token's K/V written as INT2
+code + exact row by two ``quantize_pack`` launches, then the attention).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
-from oscar_kernels import decode_int2, decode_workspace
+from oscar_kernels import DecodePlan, Int2KVPool, Int2Pool, LayerCache, decode_int2, decode_workspace
 from oscar_kernels.decode_int2 import default_num_splits
+from oscar_kernels.scheme import QuantScheme
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HQ, HKV, D = 32, 8, 128  # Qwen3-8B attention
-BF16_TOKENS = 128
+SINK, RECENT = 64, 64
+BF16_TOKENS = SINK + RECENT
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (8, 131072), (16, 8192), (16, 32768),
           (16, 131072), (32, 8192), (32, 32768)]
 DEV = "cuda"
@@ -40,33 +48,39 @@ def graph_us(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
+def _fill_random(cache: LayerCache, gen: torch.Generator) -> None:
+    for p in (cache.k, cache.v):
+        p.codes.copy_(torch.randint(0, 256, p.codes.shape, dtype=torch.uint8, device=DEV, generator=gen))
+        p.scale.copy_((torch.rand(p.scale.shape, device=DEV, generator=gen) * 0.1 + 0.01).half())
+        p.zero.copy_((torch.randn(p.zero.shape, device=DEV, generator=gen) * 0.1).half())
+    for t in (cache.k_bf16, cache.v_bf16):
+        t.copy_(torch.randn(t.shape, device=DEV, dtype=torch.bfloat16, generator=gen))
+
+
 class Int2Case:
-    def __init__(self, bs: int, ctx: int, gen: torch.Generator, head_major: bool = True):
-        """``head_major``: pools stored [Hkv, S, ...] behind [S, Hkv, ...] views (``Int2Pool``'s layout); else slot-major."""
-        n2 = ctx - BF16_TOKENS
-        self.bs, self.ctx, self.n2 = bs, ctx, n2
-        slots = bs * n2
+    """One batch: ``bs`` sequences of ``ctx`` tokens (new token included) in a one-layer pool, planned once."""
 
-        def pool(make, last):
-            t = make((HKV, slots, last) if head_major else (slots, HKV, last))
-            return t.transpose(0, 1) if head_major else t
-
-        self.k_codes = pool(lambda sh: torch.randint(0, 256, sh, dtype=torch.uint8, device=DEV, generator=gen), D // 4)
-        self.v_codes = pool(lambda sh: torch.randint(0, 256, sh, dtype=torch.uint8, device=DEV, generator=gen), D // 4)
-        self.k_scale = pool(lambda sh: (torch.rand(sh, device=DEV, generator=gen) * 0.1 + 0.01).half(), 1)
-        self.v_scale = pool(lambda sh: (torch.rand(sh, device=DEV, generator=gen) * 0.1 + 0.01).half(), 1)
-        self.k_zero = pool(lambda sh: (torch.randn(sh, device=DEV, generator=gen) * 0.1).half(), 1)
-        self.v_zero = pool(lambda sh: (torch.randn(sh, device=DEV, generator=gen) * 0.1).half(), 1)
-        self.kv_indptr = (torch.arange(bs + 1, device=DEV) * n2).int()
-        self.kv_indices = torch.arange(slots, device=DEV, dtype=torch.int32)  # a token pool filled in order
-        nb = bs * BF16_TOKENS
-        self.k_bf16 = torch.randn(nb, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-        self.v_bf16 = torch.randn(nb, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-        self.bf16_indptr = (torch.arange(bs + 1, device=DEV) * BF16_TOKENS).int()
-        self.bf16_indices = torch.arange(nb, device=DEV, dtype=torch.int32)
-        self.rot_k = torch.linalg.qr(torch.randn(HKV, D, D, device=DEV, generator=gen))[0].contiguous()
-        self.rot_v = torch.linalg.qr(torch.randn(HKV, D, D, device=DEV, generator=gen))[0].contiguous()
+    def __init__(self, bs: int, ctx: int, gen: torch.Generator, head_major: bool = True, **plan_kw):
+        """``head_major``: ``Int2KVPool``'s layout ([Hkv, S, ...] storage behind [S, Hkv, ...] views); ``False`` runs
+        the attention over slot-major copies of the same pools (the layout of the tables before commit 0fbef24)."""
+        self.bs, self.ctx, self.n2 = bs, ctx, ctx - BF16_TOKENS
+        rot = torch.linalg.qr(torch.randn(2, HKV, D, D, device=DEV, generator=gen))[0].contiguous()
+        self.pool = Int2KVPool(QuantScheme(group=0, sink=SINK, recent=RECENT), 1, HKV, D, bs * ctx, bs,
+                               rot[:1], rot[1:], device=DEV)
+        _fill_random(self.pool.layer(0), gen)
+        self.cache = self.pool.layer(0)
+        if not head_major:
+            c = self.cache
+            flat = [Int2Pool(p.codes.contiguous(), p.scale.contiguous(), p.zero.contiguous(), p.group_size)
+                    for p in (c.k, c.v)]
+            self.cache = dataclasses.replace(c, k=flat[0], v=flat[1])
+        self.req_to_token = torch.arange(bs * ctx, device=DEV, dtype=torch.int32).view(bs, ctx)  # filled in order
+        self.plan = DecodePlan(self.pool, bs, ctx, q_heads=HQ, **plan_kw)
+        self.plan.plan(self.req_to_token, torch.arange(bs, device=DEV), torch.full((bs,), ctx, device=DEV),
+                       self.req_to_token[:, ctx - 1].contiguous())
         self.q = torch.randn(bs, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        self.k = torch.randn(bs, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        self.v = torch.randn(bs, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
         self.out = torch.empty_like(self.q)
 
     def bytes_read(self) -> int:
@@ -76,13 +90,22 @@ class Int2Case:
         rot = 2 * HKV * D * D * 4
         return int2 + bf16 + idx + rot + 2 * self.q.numel() * 2
 
-    def fn(self, num_splits=None, **kw):
-        ns = num_splits or default_num_splits(self.bs, HKV, self.n2, kw.get("row_kernel", True) is not False)
-        ws = decode_workspace(self.bs, HQ, D, ns, DEV)
-        args = (self.q, self.rot_k, self.rot_v, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale,
-                self.v_zero, self.kv_indptr, self.kv_indices, self.k_bf16, self.v_bf16, self.bf16_indptr,
-                self.bf16_indices)
-        return lambda: decode_int2(*args, max_kv_len=self.n2, num_splits=ns, out=self.out, workspace=ws, **kw)
+    def run(self):
+        """``DecodePlan.run``: write the new token, then the attention."""
+        return lambda: self.plan.run(0, self.q, self.k, self.v, out=self.out)
+
+    def fn(self, num_splits: int | None = None, **kw):
+        """The attention alone (``decode_int2`` over the planned lists); ``num_splits`` forces a uniform count
+        (grid and workspace sized for it), ``kw`` go to ``decode_int2``."""
+        index, ws = self.plan.index, None
+        if num_splits is not None:
+            index = dataclasses.replace(index, num_splits=torch.full_like(index.num_splits, num_splits),
+                                        max_splits=num_splits)
+            ws = decode_workspace(self.bs, HQ, D, num_splits, DEV)
+        else:
+            ws = self.plan._workspace
+        return lambda: decode_int2(self.q, self.cache, index, workspace=ws, out=self.out,
+                                   sm_scale=self.plan.sm_scale, **kw)
 
 
 def sdpa_case(bs, ctx, gen):
@@ -122,15 +145,28 @@ def sweep(gen, shapes):
         torch.cuda.empty_cache()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--commit", default="unknown")
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--commit", default=None, help="commit recorded in RESULTS.md (default: git rev-parse HEAD)")
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
     ap.add_argument("--sweep", action="store_true", help="sweep tile/warps/splits on a few shapes first")
     ap.add_argument("--sweep-only", action="store_true", help="sweep, then stop (no table, nothing appended)")
     ap.add_argument("--layouts", action="store_true", help="compare slot-major and head-major pools, then stop")
-    ap.add_argument("--label", default="decode_int2 defaults")
-    args = ap.parse_args()
+    ap.add_argument("--label", default="DecodePlan defaults")
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    commit = args.commit or git_commit()
     gen = torch.Generator(device=DEV).manual_seed(0)
     bw = copy_bandwidth()
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
@@ -150,8 +186,9 @@ def main() -> None:
         if args.sweep_only:
             return
     lines = [
-        "| bs | context | cuDNN BF16 µs | flash BF16 µs | INT2 µs | INT2 MB read | INT2 GB/s | INT2 / best BF16 | INT2 frac of copy bw |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| bs | context | cuDNN BF16 µs | flash BF16 µs | INT2 µs | INT2 run µs (write + attention) | INT2 MB read | "
+        "INT2 GB/s | INT2 / best BF16 | INT2 frac of copy bw |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for bs, ctx in SHAPES:
         make, _ = sdpa_case(bs, ctx, gen)
@@ -161,11 +198,12 @@ def main() -> None:
         torch.cuda.empty_cache()
         case = Int2Case(bs, ctx, gen)
         t = graph_us(case.fn())
+        t_run = graph_us(case.run())
         nbytes = case.bytes_read()
         gbs = nbytes / (t * 1e-6) / 1e9
         best = min(t_cudnn, t_flash)
-        lines.append(f"| {bs} | {ctx // 1024}k | {t_cudnn:.1f} | {t_flash:.1f} | {t:.1f} | {nbytes / 1e6:.1f} | "
-                     f"{gbs:.0f} | {t / best:.2f} | {gbs * 1e9 / bw:.2f} |")
+        lines.append(f"| {bs} | {ctx // 1024}k | {t_cudnn:.1f} | {t_flash:.1f} | {t:.1f} | {t_run:.1f} | "
+                     f"{nbytes / 1e6:.1f} | {gbs:.0f} | {t / best:.2f} | {gbs * 1e9 / bw:.2f} |")
         print(lines[-1], flush=True)
         del case
         torch.cuda.empty_cache()
@@ -173,10 +211,12 @@ def main() -> None:
     print(table)
     cmd = " ".join(["python"] + sys.argv)
     with open(args.results, "a") as f:
-        f.write(f"\n## Decode, {args.label}: {datetime.date.today()}, measured on an H200 ({torch.cuda.get_device_name()}), "
-                f"commit {args.commit}\n\nCommand: `{cmd}`. Copy bandwidth measured in the same run: {bw / 1e9:.0f} GB/s "
+        f.write(f"\n## Decode, {args.label}: {datetime.date.today()}, measured on {torch.cuda.get_device_name()}, "
+                f"commit {commit}\n\nCommand: `{cmd}`. Copy bandwidth measured in the same run: {bw / 1e9:.0f} GB/s "
                 f"(read+write). Qwen3-8B shapes (32 q heads, 8 KV heads, d 128), INT2 at g = d = 128 "
-                f"(2.25 bits/element) + {BF16_TOKENS} BF16 tokens per sequence, CUDA-graph replay median.\n\n{table}\n")
+                f"(2.25 bits/element) + {BF16_TOKENS} exact rows per sequence (sink {SINK}, recent {RECENT}), "
+                f"`DecodePlan` over an `Int2KVPool` (head-major), CUDA-graph replay median; cuDNN and flash BF16 "
+                f"measured in the same run.\n\n{table}\n")
 
 
 if __name__ == "__main__":

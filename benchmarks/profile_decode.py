@@ -1,9 +1,10 @@
-"""One decode_int2 call on Qwen3-8B shapes, for a profiler (``ncu``) to attach to.
+"""One decode step on Qwen3-8B shapes through ``DecodePlan``, for a profiler (``ncu``) to attach to.
 
 Usage: ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
     --section SchedulerStats --section LaunchStats -k regex:_decode_rows_kernel --launch-skip 1 --launch-count 1 \
     python benchmarks/profile_decode.py --bs 16 --ctx 131072
-Runs the call twice (the first compiles); extra ``--opt key=value`` pairs go to ``decode_int2``.
+Runs the attention twice (the first compiles); ``--run`` profiles ``DecodePlan.run`` (the new token's writes too);
+extra ``--opt key=value`` pairs go to ``decode_int2``.
 """
 
 from __future__ import annotations
@@ -14,15 +15,24 @@ import torch
 from bench_decode import Int2Case
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bs", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=131072)
+    ap.add_argument("--run", action="store_true", help="DecodePlan.run (write + attention) instead of the attention")
     ap.add_argument("--opt", action="append", default=[], help="decode_int2 keyword, e.g. num_warps=2")
-    args = ap.parse_args()
-    kw = {k: (v == "True" if v in ("True", "False") else int(v)) for k, v in (o.split("=") for o in args.opt)}
-    case = Int2Case(args.bs, args.ctx, torch.Generator(device="cuda").manual_seed(0))
-    fn = case.fn(**kw)
+    return ap.parse_args(argv)
+
+
+def options(opts: list[str]) -> dict:
+    return {k: (v == "True" if v in ("True", "False") else int(v)) for k, v in (o.split("=") for o in opts)}
+
+
+def main() -> None:
+    args = parse_args()
+    kw = options(args.opt)
+    case = Int2Case(args.bs, args.ctx, torch.Generator(device="cuda").manual_seed(0), **({} if not args.run else kw))
+    fn = case.run() if args.run else case.fn(**kw)
     fn()
     fn()
     torch.cuda.synchronize()
