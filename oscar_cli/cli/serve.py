@@ -18,6 +18,8 @@ from ..serve.config import ServeConfig
 from ._app import StoreOpt, app, console, guarded
 
 ENGINES = ("auto", "sglang", "transformers")
+BACKLOG = 2048
+"""Pending connections the listening socket holds (uvicorn's default)."""
 
 
 @app.command("serve", context_settings={"allow_extra_args": True})
@@ -121,12 +123,14 @@ def _run_transformers(model: str, artifact: str | None, store: Path, cfg) -> Non
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound here so that a busy port is a one-line error (and port 0 picks a free one)."""
+    """The listening socket, bound here so that a busy port is a one-line error, port 0 picks a free port and the
+    printed URL accepts connections at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(BACKLOG)  # connections wait in the backlog until the server loop runs
     except OSError as e:
         sock.close()
         raise OscarError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --port or --host") from None
