@@ -408,6 +408,42 @@ def _decode_rows_kernel(
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
 
 
+@triton.jit
+def softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3, v0, v1, v2, v3, PV_T: tl.constexpr):
+    """One online-softmax step: scores ``s`` [M, N] (base 2, -inf = masked), value quarters ``v*`` [N, d/4] in the
+    bit-plane order of the general path. Shared by the general path's exact split and every list of
+    :mod:`oscar_kernels.extend_int2`; a row whose scores are all -inf so far keeps ``l = 0``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pp = p.to(PV_T)
+    acc0 = acc0 * alpha[:, None] + tl.dot(pp, v0.to(PV_T))
+    acc1 = acc1 * alpha[:, None] + tl.dot(pp, v1.to(PV_T))
+    acc2 = acc2 * alpha[:, None] + tl.dot(pp, v2.to(PV_T))
+    acc3 = acc3 * alpha[:, None] + tl.dot(pp, v3.to(PV_T))
+    return m_new, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def exact_tile(q0, q1, q2, q3, K, V, rows, mask_n, stride_ks, stride_kh, stride_vs, stride_vh, kvh, col0,
+                BQ: tl.constexpr, QK_T: tl.constexpr):
+    """Scores ``q' k'^T`` [M, N] and value quarters of one tile of exact (bf16 or fp32) rows ``rows`` [N] of ``K``/``V``
+    (``[R, Hkv, d]``, contiguous last dim; masked rows read 0), for query quarters ``q0..q3`` [M, d/4]."""
+    mn = mask_n[:, None]
+    k_rows = K + rows[:, None] * stride_ks + kvh * stride_kh
+    v_rows = V + rows[:, None] * stride_vs + kvh * stride_vh
+    s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
+    s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
+    s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
+    s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
+    v0 = tl.load(v_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0)
+    v1 = tl.load(v_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0)
+    v2 = tl.load(v_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0)
+    v3 = tl.load(v_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0)
+    return s, v0, v1, v2, v3
+
 
 @triton.jit
 def _decode_int2_kernel(
@@ -420,7 +456,7 @@ def _decode_int2_kernel(
     stride_qnb, stride_qnh,
     stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh,
     stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh,
-    stride_kbs, stride_kbh, stride_kbd, stride_vbs, stride_vbh, stride_vbd,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
@@ -540,25 +576,12 @@ def _decode_int2_kernel(
             for start in range(0, bf_len, BLOCK_NB):
                 offs_n = start + tl.arange(0, BLOCK_NB)
                 mask_n = offs_n < bf_len
-                mn = mask_n[:, None]
                 slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-                k_rows = K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh
-                s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :] * stride_kbd, mask=mn, other=0.0).to(QK_T)))
-                s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :] * stride_kbd, mask=mn, other=0.0).to(QK_T)))
-                s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :] * stride_kbd, mask=mn, other=0.0).to(QK_T)))
-                s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :] * stride_kbd, mask=mn, other=0.0).to(QK_T)))
+                s, v0, v1, v2, v3 = exact_tile(q0, q1, q2, q3, K_BF16, V_BF16, slot, mask_n, stride_kbs, stride_kbh,
+                                               stride_vbs, stride_vbh, kvh, col0, BQ, QK_T)
                 s = tl.where(mask_n[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                pp = p.to(PV_T)
-                v_rows = V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh
-                acc0 = acc0 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 0 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
-                acc1 = acc1 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 1 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
-                acc2 = acc2 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 2 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
-                acc3 = acc3 * alpha[:, None] + tl.dot(pp, tl.load(v_rows + (col0 + 3 * BQ)[None, :] * stride_vbd, mask=mn, other=0.0).to(PV_T))
-                m_i = m_new
+                m_i, l_i, acc0, acc1, acc2, acc3 = softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3,
+                                                                v0, v1, v2, v3, PV_T)
 
         # ---- normalised partial output and base-2 LSE (empty split: lse = -inf, o = 0) ----
         inv_l, lse = _finish_split(m_i, l_i)
@@ -854,7 +877,7 @@ def decode_int2(
             q_rot.stride(0), q_rot.stride(1),
             k.codes.stride(0), k.codes.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0), k.zero.stride(1),
             v.codes.stride(0), v.codes.stride(1), v.scale.stride(0), v.scale.stride(1), v.zero.stride(0), v.zero.stride(1),
-            *cache.k_bf16.stride(), *cache.v_bf16.stride(),
+            cache.k_bf16.stride(0), cache.k_bf16.stride(1), cache.v_bf16.stride(0), cache.v_bf16.stride(1),
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             GQA=gqa, BLOCK_H=max(GENERAL_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d, GROUP_SIZE=g,

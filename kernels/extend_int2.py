@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_int2 import exact_tile, softmax_step
 from .layout import LayerCache, _interpreting, check_index, check_seq, dequantize_ref
 
 DEFAULT_BLOCK_M = 64
@@ -108,40 +109,6 @@ class ExtendIndex:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a host int >= 0, got {v!r}")
-
-
-@triton.jit
-def _softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3, v0, v1, v2, v3, PV_T: tl.constexpr):
-    """One online-softmax step: scores ``s`` [M, N] (base 2, -inf = masked), value quarters ``v*`` [N, d/4]."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    pp = p.to(PV_T)
-    acc0 = acc0 * alpha[:, None] + tl.dot(pp, v0.to(PV_T))
-    acc1 = acc1 * alpha[:, None] + tl.dot(pp, v1.to(PV_T))
-    acc2 = acc2 * alpha[:, None] + tl.dot(pp, v2.to(PV_T))
-    acc3 = acc3 * alpha[:, None] + tl.dot(pp, v3.to(PV_T))
-    return m_new, l_i, acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def _exact_tile(q0, q1, q2, q3, K, V, rows, mask_n, stride_ks, stride_kh, stride_vs, stride_vh, kvh, col0,
-                BQ: tl.constexpr, QK_T: tl.constexpr):
-    """Scores and value quarters of one tile of exact (bf16 or fp32) rows ``rows`` [N] (masked rows read 0)."""
-    mn = mask_n[:, None]
-    k_rows = K + rows[:, None] * stride_ks + kvh * stride_kh
-    v_rows = V + rows[:, None] * stride_vs + kvh * stride_vh
-    s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
-    s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
-    s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
-    s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
-    v0 = tl.load(v_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0)
-    v1 = tl.load(v_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0)
-    v2 = tl.load(v_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0)
-    v3 = tl.load(v_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0)
-    return s, v0, v1, v2, v3
 
 
 @triton.jit
@@ -224,7 +191,7 @@ def _extend_int2_kernel(
             vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :], mask=mn, other=0.0)
             vs = vs.to(tl.float32)
             vz = vz.to(tl.float32)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_step(
+            m_i, l_i, acc0, acc1, acc2, acc3 = softmax_step(
                 s, m_i, l_i, acc0, acc1, acc2, acc3,
                 (vc & 3).to(tl.float32) * vs + vz, ((vc >> 2) & 3).to(tl.float32) * vs + vz,
                 ((vc >> 4) & 3).to(tl.float32) * vs + vz, (vc >> 6).to(tl.float32) * vs + vz, PV_T)
@@ -240,11 +207,11 @@ def _extend_int2_kernel(
             wanted = mask_n & ((pos < sink_end) | (pos > win_lo))
             if tl.max(wanted.to(tl.int32), 0) > 0:  # some row of the block uses this tile
                 rows = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-                s, v0, v1, v2, v3 = _exact_tile(q0, q1, q2, q3, K_BF16, V_BF16, rows, mask_n, stride_kbs, stride_kbh,
+                s, v0, v1, v2, v3 = exact_tile(q0, q1, q2, q3, K_BF16, V_BF16, rows, mask_n, stride_kbs, stride_kbh,
                                                 stride_vbs, stride_vbh, kvh, col0, BQ, QK_T)
                 use = mask_n[None, :] & ((pos[None, :] < sink_end) | (pos[None, :] > t_win[:, None]))
                 s = tl.where(use, s, float("-inf"))
-                m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3,
+                m_i, l_i, acc0, acc1, acc2, acc3 = softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3,
                                                                  v0, v1, v2, v3, PV_T)
 
         # ---- the chunk itself (exact): element e at position pos0 + e ----
@@ -258,12 +225,12 @@ def _extend_int2_kernel(
             offs_n = e0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < i1
             rows = (q_start + offs_n).to(tl.int64)
-            s, v0, v1, v2, v3 = _exact_tile(q0, q1, q2, q3, K_NEW, V_NEW, rows, mask_n, stride_kn, stride_kh,
+            s, v0, v1, v2, v3 = exact_tile(q0, q1, q2, q3, K_NEW, V_NEW, rows, mask_n, stride_kn, stride_kh,
                                             stride_vn, stride_vh, kvh, col0, BQ, QK_T)
             j = (pos0 + offs_n)[None, :]
             use = mask_n[None, :] & (j >= first) & (j <= t[:, None]) & ((j < sink_end) | (j > t_win[:, None]))
             s = tl.where(use, s, float("-inf"))
-            m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3,
+            m_i, l_i, acc0, acc1, acc2, acc3 = softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3,
                                                              v0, v1, v2, v3, PV_T)
 
         inv_l = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # no key (padding): 0

@@ -242,8 +242,9 @@ def test_decode_run_cuda_graph_replay_over_changing_lengths():
 
     def stage(n):
         pos = [x - 1 for x in n]
-        torch.cuda.set_sync_debug_mode("error")
-        dec.plan(r2t, reqs_t, i(n).to(DEVICE, non_blocking=True), r2t[reqs_t, i(pos)], start=start_t)
+        n_t, loc = i(n), r2t[reqs_t, i(pos)]  # the engine's inputs, on the device before planning
+        torch.cuda.set_sync_debug_mode("error")  # plan: device work only
+        dec.plan(r2t, reqs_t, n_t, loc, start=start_t)
         torch.cuda.set_sync_debug_mode("default")
         q.copy_(eng.q[reqs, pos])
         k.copy_(eng.k[reqs, pos])
@@ -251,8 +252,10 @@ def test_decode_run_cuda_graph_replay_over_changing_lengths():
         return pos
 
     stage([x + 1 for x in lens])
-    torch.cuda.set_sync_debug_mode("error")
-    dec.run(0, q, k, v, out=out)  # warm up (compiles), no sync
+    dec.run(0, q, k, v, out=out)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # run: device work only
+    dec.run(0, q, k, v, out=out)
     torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
