@@ -42,7 +42,7 @@ from .decode_int2 import (
     split_policy,
 )
 from .extend_int2 import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, ExtendIndex, extend_int2
-from .layout import exact_row
+from .layout import exact_row, exact_row_ref
 from .pool import Int2KVPool
 
 FILL_BLOCK = 512
@@ -372,3 +372,33 @@ class ExtendPlan(_Plan):
                           new_kv_rotated=True, **self.tuning)
         self.pool.write_exact(layer, b["bf16_loc"][:n], sk, sv, rotated=True)
         return out
+
+
+def plan_lists_ref(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, c0: torch.Tensor, ext: torch.Tensor,
+                   start: torch.Tensor, sink: int, recent: int, decode: bool) -> dict[str, torch.Tensor]:
+    """Plain torch definition of what ``plan`` fills (one layer's lists of a batch, see the module docstring):
+    ``kv_indptr``/``kv_indices``, ``bf16_indptr``/``bf16_indices``/``bf16_pos``, ``qo_indptr`` and ``bf16_loc`` (the
+    chunk's exact rows, -1 where a token is read through INT2 only), all int32 (``bf16_pos`` of decode is filled too
+    here; ``DecodePlan`` does not need it)."""
+    lists = {k: [] for k in ("kv_indices", "bf16_indices", "bf16_pos", "bf16_loc")}
+    lens = {k: [] for k in ("kv", "bf16", "qo")}
+    for b in range(req_pool_indices.shape[0]):
+        r, a, m, st = (int(t[b]) for t in (req_pool_indices, c0, ext, start))
+        c1, sink_end = a + m, st + sink
+        c_end = c1 if decode else a
+        int2 = torch.arange(sink_end, max(sink_end, c1 - recent))
+        ex = torch.cat([torch.arange(st, max(st, min(sink_end, c_end))),
+                        torch.arange(max(sink_end, a + 1 - recent), max(max(sink_end, a + 1 - recent), c_end))])
+        chunk = torch.arange(a, c1)
+        keep = (chunk < sink_end) | (chunk >= c1 - recent)
+        lists["kv_indices"].append(req_to_token[r].cpu()[int2])
+        lists["bf16_indices"].append(exact_row_ref(r, ex, st, sink, recent))
+        lists["bf16_pos"].append(ex)
+        lists["bf16_loc"].append(torch.where(keep, exact_row_ref(r, chunk, st, sink, recent), -1))
+        lens["kv"].append(int2.numel())
+        lens["bf16"].append(ex.numel())
+        lens["qo"].append(m)
+    out = {k: torch.cat(v).to(torch.int32) if v else torch.zeros(0, dtype=torch.int32) for k, v in lists.items()}
+    for k, v in lens.items():
+        out[f"{k}_indptr"] = torch.tensor([0] + v, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return out

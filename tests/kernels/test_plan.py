@@ -8,6 +8,7 @@ import pytest
 import torch
 from int2_cache import DEVICE, ON_GPU, History, design_p_ref, random_rotation, rel_err
 from oscar_kernels import DecodePlan, ExtendPlan, Int2KVPool, exact_row_ref
+from oscar_kernels.plan import plan_lists_ref
 from oscar_kernels.scheme import QuantScheme
 
 TOL = dict(atol=5e-2, rtol=5e-2) if ON_GPU else dict(atol=2e-4, rtol=2e-4)
@@ -160,6 +161,46 @@ def test_plan_lists_follow_design_p():
         want = [rows(r, [p], st)[0] if p >= st and (p < se or p >= c1 - recent) else -1 for p in range(a, c1)]
         assert bloc[row0:row0 + k] == want
         row0 += k
+    ref = plan_lists_ref(eng.req_to_token, torch.tensor(reqs), torch.tensor(c0), torch.tensor(m), torch.tensor(start),
+                         sink, recent, decode=False)
+    assert ref["bf16_loc"].tolist() == bloc and ref["qo_indptr"].tolist() == [0, 7, 16, 17]
+
+
+@pytest.mark.parametrize("sink,recent", [(3, 5), (0, 4), (2, 0), (0, 0), (6, 1)])
+def test_plan_lists_match_the_reference(sink, recent):
+    """Random batches (request order, left padding, lengths around the windows): the device lists == plan_lists_ref."""
+    gen = torch.Generator().manual_seed(50 + 10 * sink + recent)
+    reqs, bsz, ctx = 5, 4, 48
+    eng = Engine(QuantScheme(group=32, sink=sink, recent=recent), 1, 1, 64, reqs=reqs, max_ctx=ctx, seed=sink)
+    req = torch.randperm(reqs, generator=gen)[:bsz]
+    start = torch.randint(0, 4, (bsz,), generator=gen)
+    dec = DecodePlan(eng.pool, bsz, ctx, q_heads=1)
+    ext = ExtendPlan(eng.pool, bsz, bsz * 12, ctx)
+    for _ in range(3):
+        n = torch.randint(1, ctx + 1, (bsz,), generator=gen)
+        dec.plan(eng.req_to_token, req.to(DEVICE), n.to(DEVICE), torch.arange(bsz, device=DEVICE),
+                 start=start.to(DEVICE))
+        want = plan_lists_ref(eng.req_to_token, req, n - 1, torch.ones(bsz, dtype=torch.long), start, sink, recent,
+                              decode=True)
+        got, idx = dec._buffers, dec.index
+        assert torch.equal(idx.kv_indptr.cpu(), want["kv_indptr"]) and torch.equal(idx.bf16_indptr.cpu(), want["bf16_indptr"])
+        nk, nb = int(want["kv_indptr"][-1]), int(want["bf16_indptr"][-1])
+        assert torch.equal(idx.kv_indices[:nk].cpu(), want["kv_indices"])
+        assert torch.equal(idx.bf16_indices[:nb].cpu(), want["bf16_indices"])
+        assert torch.equal(got["bf16_loc"][:bsz].cpu(), want["bf16_loc"])
+        c0 = torch.randint(0, ctx - 12, (bsz,), generator=gen)
+        m = torch.randint(0, 13, (bsz,), generator=gen)
+        ext.plan(eng.req_to_token, req.to(DEVICE), c0.to(DEVICE), m.to(DEVICE),
+                 torch.arange(int(m.sum()), device=DEVICE), start=start.to(DEVICE))
+        want = plan_lists_ref(eng.req_to_token, req, c0, m, start, sink, recent, decode=False)
+        got, xi = ext._buffers, ext.index
+        for name in ("qo_indptr", "kv_indptr", "bf16_indptr"):
+            assert torch.equal(getattr(xi, name).cpu(), want[name]), name
+        nk, nb = int(want["kv_indptr"][-1]), int(want["bf16_indptr"][-1])
+        assert torch.equal(xi.kv_indices[:nk].cpu(), want["kv_indices"])
+        assert torch.equal(xi.bf16_indices[:nb].cpu(), want["bf16_indices"])
+        assert torch.equal(xi.bf16_pos[:nb].cpu(), want["bf16_pos"])
+        assert torch.equal(got["bf16_loc"][:int(m.sum())].cpu(), want["bf16_loc"])
 
 
 def test_decode_equals_extend_of_one_token():
