@@ -48,8 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-KERNEL_BITS = 2
-"""Code width the Triton kernels implement (``oscar_kernels.scheme.KERNEL_BITS`` says the same to the scheme)."""
+from .scheme import KERNEL_BITS
+
 CODES_PER_BYTE = 8 // KERNEL_BITS
 """2-bit codes: four per byte."""
 SCALE_EPS = 1e-5
