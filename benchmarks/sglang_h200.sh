@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The SGLang plugin on an H200: real SGLang 0.5.17 with --attention-backend oscar (driver: benchmarks/sglang_h200.py).
+#
+# What has to reach the GPU machine does not fit one 64 MiB transfer (SGLang's site archive is 53 MiB, the embedded
+# SmolLM2 GGUF 94 MiB), so the run is staged into /tmp/oscar-h200 over three device calls of the SAME command; the
+# machine keeps /tmp while it is held (30 minutes at most):
+#
+#   CPU, once:   make demo                                  # converted SmolLM2 + per-head artifact (recipe fits --per-head)
+#                bash benchmarks/sglang_h200.sh prepare     # .whl/sgl (SGLang archive), .whl/h200/{gguf.00,gguf.01,artifact,commit}
+#   GPU call 1:  bash benchmarks/sglang_h200.sh gpu         carry: .whl/sgl
+#   GPU call 2:  bash benchmarks/sglang_h200.sh gpu         carry: .whl/h200/gguf.00
+#   GPU call 3:  bash benchmarks/sglang_h200.sh gpu [STEP]  carry: .whl/h200/gguf.01 .whl/h200/artifact .whl/h200/commit
+#   (each call within the 10-minute command limit: call 3 starts SGLang five times, ~1-2 min each once compile
+#   caches are warm; if it runs out, the same call with STEP = outputs, prefix, capacity one at a time)
+#
+# Each `gpu` call stages what it was given and runs the driver once everything is there (STEP: all, outputs, prefix,
+# capacity; default all). The driver appends its tables to benchmarks/RESULTS.md; bring that file back from $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE=/tmp/oscar-h200
+mode=${1:?usage: benchmarks/sglang_h200.sh prepare | gpu [STEP]}
+
+if [ "$mode" = prepare ]; then
+  mkdir -p .git/info .whl/h200
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+  [ -f .whl/sgl/sglsite.tar.xz ] || bash ../shared/sglang-h200/build_site.sh .whl/sgl
+  cp ../shared/sglang-h200/unpack.sh .whl/sgl/unpack.sh
+  gguf=$(.venv/bin/python -c 'from oscar_cli.models import embedded_gguf; print(embedded_gguf("smollm2-135m"))')
+  rm -f .whl/h200/gguf.*
+  split -b 48m -d -a 2 "$gguf" .whl/h200/gguf.
+  [ "$(ls .whl/h200/gguf.* | wc -l)" = 2 ] || { echo "expected the GGUF in 2 parts of 48 MiB" >&2; exit 1; }
+  art=$(.venv/bin/python - <<'PY'
+from pathlib import Path
+from oscar_cli.artifact import load_artifact
+arts = [p for p in sorted(Path("artifacts/smollm2-135m").glob("v*"), key=lambda p: int(p.name[1:]))
+        if load_artifact(p).manifest.per_head]
+print(arts[-1] if arts else "")
+PY
+)
+  [ -n "$art" ] || { echo "no per-head artifact under artifacts/smollm2-135m: run make demo" >&2; exit 1; }
+  rm -rf .whl/h200/artifact && cp -r "$art" .whl/h200/artifact
+  .venv/bin/python -c 'from oscar_cli import code_version; print(code_version())' > .whl/h200/commit
+  du -sh .whl/sgl .whl/h200/*
+  exit 0
+fi
+
+[ "$mode" = gpu ] || { echo "unknown mode $mode" >&2; exit 2; }
+mkdir -p "$STAGE"
+if [ -f .whl/sgl/sglsite.tar.xz ]; then
+  cp .whl/sgl/unpack.sh "$STAGE/unpack.sh"
+  . .whl/sgl/unpack.sh .whl/sgl/sglsite.tar.xz          # unpacks /tmp/sglsite once per machine
+fi
+for part in 00 01; do
+  if [ -f .whl/h200/gguf.$part ]; then cp .whl/h200/gguf.$part "$STAGE/gguf.$part"; fi
+done
+if [ -d .whl/h200/artifact ]; then rm -rf "$STAGE/artifact" && cp -r .whl/h200/artifact "$STAGE/artifact"; fi
+if [ -f .whl/h200/commit ]; then cp .whl/h200/commit "$STAGE/commit"; fi
+missing=""
+[ -f /tmp/sglsite/.unpacked ] || missing="$missing .whl/sgl"
+for part in 00 01; do [ -f "$STAGE/gguf.$part" ] || missing="$missing .whl/h200/gguf.$part"; done
+[ -d "$STAGE/artifact" ] || missing="$missing .whl/h200/artifact"
+if [ -n "$missing" ]; then
+  echo "staged in $STAGE; carry next:$missing"
+  exit 0
+fi
+
+# the plugin as an installed distribution: oscar_cli + oscar_kernels (kernels/) and its entry point, nothing else of
+# the checkout on sys.path (the top-level kernels/ folder would shadow the PyPI package `kernels` SGLang imports)
+SITE=$STAGE/site
+rm -rf "$SITE" && mkdir -p "$SITE/oscar_kv-0.1.0.dist-info"
+ln -s "$PWD/oscar_cli" "$SITE/oscar_cli"
+ln -s "$PWD/kernels" "$SITE/oscar_kernels"
+python3 - "$SITE/oscar_kv-0.1.0.dist-info" <<'PY'
+import sys, tomllib
+from pathlib import Path
+meta = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+out = Path(sys.argv[1])
+(out / "METADATA").write_text(f"Metadata-Version: 2.1\nName: oscar-kv\nVersion: {meta['version']}\n")
+(out / "top_level.txt").write_text("oscar_cli\noscar_kernels\n")
+eps = meta["entry-points"]["sglang.srt.plugins"]
+(out / "entry_points.txt").write_text("[sglang.srt.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+PY
+
+# the converted SmolLM2 folder, with the image's own transformers (as the CPU side converted it: same fingerprint;
+# SGLang's site, with transformers 5.12.1 and gguf, when the image cannot)
+cat "$STAGE/gguf.00" "$STAGE/gguf.01" > "$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf"
+STORE=$STAGE/store
+convert='import sys; from pathlib import Path
+from oscar_cli.models import resolve
+print(resolve(sys.argv[1], Path(sys.argv[2]))[2])'
+MODEL=$(env -u PYTHONPATH PYTHONPATH="$SITE" python3 -c "$convert" "$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf" "$STORE" ||
+        env -u PYTHONPATH PYTHONPATH="/tmp/sglsite:$SITE" python3 -c "$convert" "$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf" "$STORE")
+
+. "$STAGE/unpack.sh" /nonexistent                        # SGLang's site first on PYTHONPATH (already unpacked)
+export PYTHONPATH=$PYTHONPATH:$SITE OSCAR_SITE=$SITE OSCAR_COMMIT=$(cat "$STAGE/commit" 2>/dev/null || echo unknown)
+python3 benchmarks/sglang_h200.py "${2:-all}" --model "$MODEL" --artifact "$STAGE/artifact" --store "$STORE" \
+  --work "$STAGE/work"
+mkdir -p "${OUT:-$STAGE/out}" && cp benchmarks/RESULTS.md "${OUT:-$STAGE/out}/RESULTS.md"
+cp "$STAGE"/work/*.log "${OUT:-$STAGE/out}/" 2>/dev/null || true
