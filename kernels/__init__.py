@@ -9,31 +9,29 @@ Serving: :class:`DecodePlan` / :class:`ExtendPlan` fill the index lists on the d
 run a layer's write + attention (``run``) with no host synchronisation.
 """
 
-from .decode_int2 import (
-    DecodeIndex,
-    SplitPolicy,
-    decode_index,
-    decode_int2,
-    decode_int2_ref,
-    decode_workspace,
-    default_num_splits,
-    split_policy,
-)
-from .extend_int2 import ExtendIndex, extend_int2, extend_int2_ref
-from .layout import (
-    DEFAULT_CLIP_RATIO,
-    SCALE_EPS,
-    Int2Pool,
-    LayerCache,
-    cached_rows_ref,
-    dequantize_ref,
-    exact_row_ref,
-    pack,
-    unpack,
-)
-from .plan import DecodePlan, ExtendPlan
-from .pool import Int2KVPool
-from .quantize_pack import quantize_pack, quantize_pack_ref
+import importlib
+
+_EXPORTS = {
+    "decode_int2": ("DecodeIndex", "SplitPolicy", "decode_index", "decode_int2", "decode_int2_ref", "decode_workspace",
+                    "default_num_splits", "split_policy"),
+    "extend_int2": ("ExtendIndex", "extend_int2", "extend_int2_ref"),
+    "layout": ("DEFAULT_CLIP_RATIO", "SCALE_EPS", "Int2Pool", "LayerCache", "cached_rows_ref", "dequantize_ref",
+               "exact_row_ref", "pack", "unpack"),
+    "plan": ("DecodePlan", "ExtendPlan"),
+    "pool": ("Int2KVPool",),
+    "quantize_pack": ("quantize_pack", "quantize_pack_ref"),
+}
+_WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    """Exports load their module (and Triton) on first use, so ``oscar_kernels.scheme`` stays a light import."""
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_CLIP_RATIO",

@@ -324,7 +324,7 @@ class EvalRow:
     metric: str
     value: float
     config: dict
-    bits_per_element: float
+    bits_per_element: float | None
     lm_eval_version: str
 
     @property
@@ -432,7 +432,10 @@ def reference_windows(artifacts: dict, overrides: dict[str, int]) -> QuantScheme
 
 def run_eval(cfg: EvalConfig, store: Path, progress: Progress | None = None) -> EvalResult:
     """Evaluate every method of ``cfg`` on its tasks; rows go to the store's ``evals`` table as each method finishes
-    (an interrupted run keeps every finished method). Returns the rows and the threshold misses."""
+    (an interrupted run keeps every finished method). Returns the rows and the threshold misses. With
+    ``cfg.server`` the tasks run against that server instead (:func:`run_eval_server`)."""
+    if cfg.server:
+        return run_eval_server(cfg, store, progress)
     from .artifact import load_artifact
     from .models import load_model
     from .store import Store
@@ -519,6 +522,142 @@ def run_eval(cfg: EvalConfig, store: Path, progress: Progress | None = None) -> 
         result.rows.extend(rows)
     result.misses = check_thresholds(result.rows, cfg.thresholds)
     return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Through a server: `oscar eval --server URL` (the embedded OpenAI server or SGLang with the plugin)
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What an OpenAI-compatible server says it serves (``GET /v1/models``; the ``oscar`` block when it is ours)."""
+
+    url: str
+    model_id: str
+    method: str
+    artifact: str | None
+    scheme: dict | None
+
+
+def _http(method: str, url: str, body: dict | None = None, timeout: float = 600.0) -> dict:
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:200]
+        raise EvalError(f"server {url} answered {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise EvalError(f"cannot reach server {url} ({getattr(e, 'reason', e)}); start it with `oscar serve` "
+                        "or pass the right --server URL") from None
+
+
+def server_info(url: str) -> ServerInfo:
+    base = url.rstrip("/").removesuffix("/v1")
+    cards = _http("GET", f"{base}/v1/models", timeout=30).get("data") or []
+    if not cards:
+        raise EvalError(f"server {base} serves no model (empty /v1/models)")
+    card = cards[0]
+    meta = card.get("oscar") or {}
+    return ServerInfo(url=base, model_id=card["id"], method=meta.get("method", "server"),
+                      artifact=(meta.get("artifact") or {}).get("name") if isinstance(meta.get("artifact"), dict)
+                      else meta.get("artifact"), scheme=meta.get("scheme"))
+
+
+def perplexity_via_server(info: ServerInfo, windows: torch.Tensor, advance: Callable[[], None] | None = None) -> float:
+    """``oscar_ppl`` from the server's prompt logprobs (``echo`` + ``logprobs``, no new tokens): each window
+    ``[L]`` of token ids contributes the logprobs of its tokens 1..L-1."""
+    nll, count = 0.0, 0
+    for w in windows:
+        out = _http("POST", f"{info.url}/v1/completions", {
+            "model": info.model_id, "prompt": w.tolist(), "max_tokens": 0, "echo": True, "logprobs": 1,
+            "temperature": 0.0})
+        lps = out["choices"][0]["logprobs"]["token_logprobs"][1: w.numel()]
+        if len(lps) != w.numel() - 1 or any(x is None for x in lps):
+            raise EvalError(f"server {info.url} returned {len(lps)} prompt logprobs for a {w.numel()}-token window; "
+                            "it must support echo with logprobs")
+        nll, count = nll - sum(lps), count + len(lps)
+        if advance is not None:
+            advance()
+    return math.exp(nll / count)
+
+
+def server_lm(info: ServerInfo, tokenizer_path: str | None, max_length: int):
+    """lm-eval's ``local-completions`` model against the server (token-id prompts with a local tokenizer)."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    kw = dict(base_url=f"{info.url}/v1/completions", model=info.model_id, max_length=max_length, num_concurrent=1,
+              max_retries=1, timeout=600)
+    if tokenizer_path is not None:
+        kw.update(tokenizer=tokenizer_path, tokenizer_backend="huggingface", tokenized_requests=True)
+    else:
+        kw.update(tokenizer_backend="remote", tokenized_requests=True)
+    return LocalCompletionsAPI(**kw)
+
+
+def run_eval_server(cfg: EvalConfig, store: Path, progress: Progress | None = None) -> EvalResult:
+    """``run_eval`` through a running server: ``oscar_ppl`` from prompt logprobs, lm-eval tasks through
+    ``local-completions``; rows record the server's method, artifact and scheme."""
+    from transformers import AutoTokenizer
+
+    from .models import quiet_transformers, resolve
+    from .store import Store
+
+    progress = progress or Progress()
+    info = server_info(cfg.server)
+    quiet_transformers()
+    slug, _, folder = resolve(cfg.model, store)
+    tok_path = str(folder) if folder is not None else cfg.model
+    tok = AutoTokenizer.from_pretrained(tok_path)
+    row_tasks = expand_tasks(cfg.tasks)
+    lm_tasks = lm_task_names([t for t in row_tasks if t != PPL_TASK])
+    text_ids = None
+    if PPL_TASK in row_tasks:
+        from .data import heldout_text, read_text_file
+
+        text_ids = token_ids(tok, read_text_file(cfg.data) if cfg.data is not None else heldout_text())
+    per_len = cfg.limit or DEFAULT_PPL_WINDOWS
+    n_ppl = sum(min(per_len, text_ids.numel() // n) for n in cfg.seq_lengths) if text_ids is not None else 0
+    progress.start(n_ppl + (1 if lm_tasks else 0))
+    label = info.method
+    base = dict(model_fingerprint="", model_slug=slug, method=label, artifact=info.artifact,
+                lm_eval_version=lm_eval_version())
+    run_cfg = dict(limit=cfg.limit, server=info.url, served_model=info.model_id, scheme=info.scheme, overrides={})
+    rows: list[EvalRow] = []
+    bits = None  # the server's storage is its own business (SGLang reports its pool)
+    if text_ids is not None:
+        for n in cfg.seq_lengths:
+            progress.describe(f"{label} {PPL_TASK}@{n}")
+            wins = windows_of(text_ids, n, per_len)
+            ppl = perplexity_via_server(info, wins, progress.advance)
+            rows.append(EvalRow(**base, task=PPL_TASK, metric="ppl", value=ppl,
+                                config=dict(run_cfg, seq_len=n, windows=len(wins), mode="server",
+                                            data=str(cfg.data) if cfg.data else "builtin:heldout"),
+                                bits_per_element=bits))
+    if lm_tasks:
+        from .tasks import TOKENIZERS
+
+        progress.describe(f"{label} {','.join(lm_tasks)}")
+        TOKENIZERS[tok_path] = tok
+        lm = server_lm(info, tok_path, max(cfg.seq_lengths) + 256)
+        res = run_lm_eval(lm, lm_tasks, cfg.limit, {"tokenizer": tok_path, "max_seq_lengths": list(cfg.seq_lengths)})
+        for task, metrics in res.items():
+            samples = metrics.pop("sample_len", None)
+            for metric, value in metrics.items():
+                if value == -1.0:
+                    continue
+                n = int(metric) if metric.isdigit() else max(cfg.seq_lengths)
+                rows.append(EvalRow(**base, task=task.removeprefix("oscar_ruler_"), metric=metric, value=value,
+                                    config=dict(run_cfg, seq_len=n, seq_lengths=list(cfg.seq_lengths),
+                                                samples=samples), bits_per_element=bits))
+        progress.advance()
+    Store(store).record_evals([r.to_dict() for r in rows])
+    return EvalResult(rows, check_thresholds(rows, cfg.thresholds))
 
 
 @contextlib.contextmanager

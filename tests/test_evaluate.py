@@ -132,16 +132,42 @@ def test_offline_ruler_and_niah_respect_num_samples(kit):
 
 
 @pytest.mark.slow
-def test_embedded_default_ruler_through_lm_eval(embedded_store):
-    """RULER niah_single_1 offline through lm-eval with an INT2 cache: --limit 1 gives 1 sample at 1k tokens."""
+def test_embedded_default_ruler_through_lm_eval(embedded_store, embedded_artifact):
+    """RULER niah_single_1 offline through lm-eval, generating through the cache: --limit 1 gives 1 sample at 1k
+    tokens; BF16 and the per-head artifact find the needle, the unrotated naive INT2 cache does not."""
+    from oscar_cli.artifact import load_artifact
     from oscar_cli.models import load_model
     from oscar_cli.tasks import TOKENIZERS
 
     lm = load_model("smollm2-135m", embedded_store)
     TOKENIZERS["embedded"] = lm.tokenizer
-    olm = ev.oscar_lm_class()(pretrained=lm.model, tokenizer=lm.tokenizer, method="int2-hadamard-clip", sink=16,
-                              recent=64, batch_size=1, max_length=1280, device="cpu")
-    res = ev.run_lm_eval(olm, ev.lm_task_names(expand_tasks(["ruler"])), 1,
-                         {"tokenizer": "embedded", "max_seq_lengths": [1024]})
-    r = res["oscar_ruler_niah_single_1"]
-    assert r["sample_len"] == 1 and r["1024"] in (0.0, 1.0)
+    art = load_artifact(embedded_artifact, lm.fingerprint)
+    scores = {}
+    for method in ("bf16", "oscar", "int2-naive"):
+        olm = ev.oscar_lm_class()(pretrained=lm.model, tokenizer=lm.tokenizer, method=method,
+                                  artifact=art if method == "oscar" else None, windows=art.scheme, batch_size=1,
+                                  max_length=1280, device="cpu")
+        res = ev.run_lm_eval(olm, ev.lm_task_names(expand_tasks(["ruler"])), 1,
+                             {"tokenizer": "embedded", "max_seq_lengths": [1024]})
+        r = res["oscar_ruler_niah_single_1"]
+        assert r["sample_len"] == 1
+        scores[method] = r["1024"]
+    assert scores == {"bf16": 1.0, "oscar": 1.0, "int2-naive": 0.0}, scores
+
+
+@pytest.mark.slow
+def test_shipped_recipe_thresholds_hold(embedded_store, embedded_artifact):
+    """`oscar eval --recipe recipes/smollm2-135m.yaml` on the embedded default meets the recipe's thresholds."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from oscar_cli.cli import app
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m.yaml"
+    r = CliRunner().invoke(app, ["eval", "--recipe", str(recipe), "--store", str(embedded_store), "--artifact",
+                                 str(embedded_artifact), "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rows = {x["method"]: x["value"] for x in json.loads(r.stdout)}
+    assert rows["bf16"] < rows["oscar"] < rows["int2-hadamard"] < rows["int2-naive"], rows

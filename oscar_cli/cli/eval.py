@@ -62,6 +62,9 @@ def eval_cmd(
     decode: Annotated[bool | None, typer.Option("--decode/--teacher-forced", help="oscar_ppl: feed tokens one at a "
                                                 "time through the cache (on CUDA through the fused INT2 kernels) "
                                                 "instead of teacher-forced decode-equivalent attention.")] = None,
+    server: Annotated[str | None, typer.Option("--server", help="Evaluate a running server instead (`oscar serve`, "
+                                               "either engine): oscar_ppl from its prompt logprobs, lm-eval tasks "
+                                               "through local-completions; rows record its artifact and scheme.")] = None,
     recipe: RecipeOpt = None,
     json_out: JsonOpt = False,
     csv: Annotated[Path | None, typer.Option("--csv", help="Also write the results to this CSV file.")] = None,
@@ -89,7 +92,7 @@ def eval_cmd(
             raise OscarError(f"recipe {recipe} has no eval section; add one (tasks, methods, seq_lengths) or drop --recipe")
         base = rec.eval
     flags = {
-        "model": model, "artifact": artifact, "limit": limit, "data": data, "decode": decode,
+        "model": model, "artifact": artifact, "limit": limit, "data": data, "decode": decode, "server": server,
         "tasks": _names(tasks) if tasks is not None else None,
         "methods": _names(methods) if methods is not None else None,
         "seq_lengths": _ints(seq_lengths, "--seq-lengths") if seq_lengths is not None else None,
@@ -99,6 +102,13 @@ def eval_cmd(
         raise OscarError("--tasks replaces the recipe's tasks, which its thresholds are about; drop --tasks or --recipe")
     over = dict(base.overrides)
     over.update({k: v for k, v in dict(sink=sink, recent=recent, group=group, bits=bits).items() if v is not None})
+    if server is not None:
+        if over:
+            raise OscarError("--sink/--recent/--group/--bits cannot change a running server's scheme; restart "
+                             "`oscar serve` with another artifact instead")
+        if methods is not None or decode is not None:
+            raise OscarError("--methods/--decode do not apply to --server: the server runs its own artifact")
+        given["methods"] = ("server",)
     cfg = dataclasses.replace(base, **given, scheme_overrides=tuple(sorted(over.items())))
     if recipe is not None and "methods" in given:
         missing = sorted({t.method for t in cfg.thresholds} - set(cfg.methods))
@@ -155,10 +165,10 @@ def _render(rows: list[dict], json_out: bool, csv: Path | None) -> None:
             w.writerow(["method", "artifact", "task", "metric", "seq_len", "value", "delta_bf16", "bits_per_element",
                         "sink", "recent", "group", "bits"])
             for r in rows:
-                s = r["config"]["scheme"]
+                s = r["config"].get("scheme")
                 w.writerow([r["method"], r["artifact"] or "", r["task"], r["metric"], r["config"].get("seq_len"),
                             r["value"], "" if r["delta_bf16"] is None else r["delta_bf16"], r["bits_per_element"],
-                            s["sink"], s["recent"], s["group"], s["bits"]])
+                            *((s or {}).get(k, "") for k in ("sink", "recent", "group", "bits"))])
     if json_out:
         out.print_json(json.dumps(rows))
         return
@@ -166,8 +176,9 @@ def _render(rows: list[dict], json_out: bool, csv: Path | None) -> None:
     for c in ("method", "task", "metric", "len", "value", "Δ bf16", "bits/el", "scheme"):
         t.add_column(c, justify="right" if c in ("len", "value", "Δ bf16", "bits/el") else "left")
     for r in rows:
-        d, s = r["delta_bf16"], r["config"]["scheme"]
-        scheme = "exact" if r["method"] == "bf16" else f"int{s['bits']} g{s['group']} s{s['sink']}/r{s['recent']}"
+        d, s, b = r["delta_bf16"], r["config"].get("scheme"), r["bits_per_element"]
+        scheme = ("exact" if r["method"] == "bf16" else "?" if not s
+                  else f"int{s['bits']} g{s['group']} s{s['sink']}/r{s['recent']}")
         t.add_row(r["method"], r["task"], r["metric"], str(r["config"].get("seq_len")), f"{r['value']:.4g}",
-                  "" if d is None or r["method"] == "bf16" else f"{d:+.4g}", f"{r['bits_per_element']:.3f}", scheme)
+                  "" if d is None or r["method"] == "bf16" else f"{d:+.4g}", "" if b is None else f"{b:.3f}", scheme)
     out.print(t)
