@@ -16,7 +16,7 @@ import torch
 from oscar_kernels import dequantize_ref, quantize_pack_ref
 from oscar_kernels.scheme import QuantScheme
 
-from oscar_cli.serve.sglang.anchors import AnchorTable, anchor_positions, anchored_positions
+from oscar_cli.serve.sglang.anchors import PIN_STEPS, AnchorTable, anchor_positions, anchored_positions
 from oscar_cli.serve.sglang.core import OscarAttention, OscarKV
 
 HKV, HQ, D = 2, 4, 16
@@ -327,6 +327,19 @@ def test_pinned_anchor_survives_eviction_pressure():
     assert t.pinned(e)
     t.unpin("B2")
     assert e in [t.allocate() for _ in range(3)]
+
+
+def test_a_pin_that_is_not_renewed_expires_after_a_fixed_number_of_batches():
+    """A request matched but never scheduled (aborted while waiting) does not hold its entry forever; expiry counts
+    planned batches, the same on every TP rank (never garbage collection)."""
+    t = AnchorTable(num_slots=8, capacity=2)
+    t.pin("waiting", 1)
+    for _ in range(PIN_STEPS):
+        t.mark()
+    assert t.pinned(1)
+    t.pin("renewed", 0)
+    t.mark()
+    assert not t.pinned(1) and t.pinned(0)
 
 
 def test_all_pinned_means_no_new_anchor_and_no_overwrite():

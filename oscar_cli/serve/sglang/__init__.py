@@ -64,8 +64,11 @@ positions ``a`` whose rows (sinks ``[0, min(sink, a))``, ring ``[max(sink, a - r
   ``OscarRadixCache(RadixCache)``: ``match_prefix`` for a request (``params.req`` set) caps the match to the deepest
   anchored position (one device lookup, one small host read) by re-matching with ``RadixKey(limit=a)``, so SGLang
   splits the node and locks exactly that prefix; SGLang already keeps >= 1 token to compute. The anchor is pinned
-  until the request's first extend has planned its restore (or the request ends); SGLang's own re-match inside
-  ``cache_unfinished_req`` (no ``req``) is never capped.
+  until the request's first extend has planned its restore (or the request ends, or 256 batches pass without a new
+  match: a request aborted while waiting); SGLang's own re-match inside ``cache_unfinished_req`` (no ``req``) is
+  never capped. Every TP rank must cap alike: a match first waits for the event recorded after the last batch's
+  table updates (under overlap scheduling that batch may still be on the GPU), and pins never end on garbage
+  collection.
 * At a request's first extend with a prefix (host-tracked by request id; a chunked-prefill continuation is not a
   first extend), the anchor's rows are copied into the request's region per layer before attention (device gather
   through ``anchor_of_slot[req_to_token[req, a - 1]]``, no host sync).

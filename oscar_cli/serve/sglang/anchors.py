@@ -15,9 +15,14 @@ This module keeps the bookkeeping; the row copies are planned in :mod:`.core`.
   (:meth:`AnchorTable.clear_slots`), so a freed and reused slot can never serve a stale anchor.
 * ``slot_of_anchor`` int64 ``[capacity]`` (device): the reverse map, to unbind an entry's old key on reuse.
 * Entries are chosen on the host, first in first out, skipping pinned ones; a match pins the anchor it stopped at
-  until the request's first extend has restored it (:meth:`AnchorTable.pin`).
+  until the request's first extend has restored it (:meth:`AnchorTable.pin`). Pins end at deterministic points only
+  (the request's first extend, its end, or :data:`PIN_STEPS` planned batches without a new match), never on garbage
+  collection: every TP rank must make the same choices.
 * :meth:`AnchorTable.deepest`: the deepest anchored position of a matched slot list (one small host read), which
-  the radix cache caps the match to.
+  the radix cache caps the match to. It first waits for the event recorded after the last batch's table updates
+  (:meth:`AnchorTable.mark`): under SGLang's overlap scheduling that batch may still be on the GPU, and every rank
+  must read the same table (the wait is for the batch's planning kernels, which run right after the previous
+  batch, already complete when the scheduler matches).
 
 Plain torch: no SGLang.
 """
@@ -28,6 +33,10 @@ from collections import Counter, deque
 from collections.abc import Hashable
 
 import torch
+
+PIN_STEPS = 256
+"""Planned batches after which a pin that was not renewed ends (a request matched but never scheduled: aborted while
+waiting). SGLang's binding match runs in the same scheduling round as the request's first extend."""
 
 
 def anchor_positions(c0: int, c1: int, interval: int) -> list[int]:
@@ -53,8 +62,11 @@ class AnchorTable:
         self.anchor_of_slot = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
         self.slot_of_anchor = torch.full((max(capacity, 1),), -1, dtype=torch.int64, device=device)
         self._order: deque[int] = deque(range(capacity))
-        self._pin_of: dict[Hashable, int] = {}
+        self._pin_of: dict[Hashable, tuple[int, int]] = {}
         self._pins: Counter[int] = Counter()
+        self.step = 0
+        """Batches planned so far (the same on every TP rank)."""
+        self._event = None
 
     # ----------------------------------------------------------------------------------------------- entries (host)
     def allocate(self) -> int | None:
@@ -67,18 +79,30 @@ class AnchorTable:
         return None
 
     def pin(self, key: Hashable, entry: int | None) -> None:
-        """``key`` (a request) holds ``entry`` until :meth:`unpin`; a new pin of the same key replaces the old one."""
+        """``key`` (a request) holds ``entry`` until :meth:`unpin` (or :data:`PIN_STEPS` batches); a new pin of the
+        same key replaces the old one."""
         self.unpin(key)
         if entry is not None and entry >= 0:
-            self._pin_of[key] = entry
+            self._pin_of[key] = (entry, self.step)
             self._pins[entry] += 1
 
     def unpin(self, key: Hashable) -> None:
-        e = self._pin_of.pop(key, None)
-        if e is not None:
+        got = self._pin_of.pop(key, None)
+        if got is not None:
+            e = got[0]
             self._pins[e] -= 1
             if not self._pins[e]:
                 del self._pins[e]
+
+    def mark(self) -> None:
+        """A batch's table updates are enqueued: count the step, expire stale pins, record the event matches wait
+        for (CUDA only)."""
+        self.step += 1
+        for key in [k for k, (_, s) in self._pin_of.items() if self.step - s > PIN_STEPS]:
+            self.unpin(key)
+        if self.anchor_of_slot.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
 
     def pinned(self, entry: int) -> bool:
         return bool(self._pins[entry])
@@ -114,6 +138,8 @@ class AnchorTable:
         m = slots.numel()
         if m == 0:
             return 0, -1
+        if self._event is not None:
+            self._event.synchronize()
         e = self.entries_at(slots)
         pos = torch.arange(1, m + 1, device=e.device)
         a = torch.where(e >= 0, pos, 0).max()

@@ -105,6 +105,7 @@ class OscarKV:
         pos = torch.tensor(anchored_positions(position, self.pool.sink, self.pool.recent), device=self.device)
         self.copy_rows(self.pool.exact_rows(req_pool_idx, pos), self.pool.exact_rows(self.entry_request(entry), pos))
         self.table.bind(torch.tensor([entry], device=self.device), key_slot)
+        self.table.mark()
         return entry
 
 
@@ -149,6 +150,7 @@ class OscarAttention:
         loc[:n].copy_(out_cache_loc)
         loc[n:].zero_()
         self.kv.table.clear_slots(loc)
+        self.kv.table.mark()
         self.decode.plan(self.req_to_token, req_pool_indices, seq_lens, loc)
 
     def forward_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -167,6 +169,7 @@ class OscarAttention:
         self._restore = self._capture = self._capture_end = None
         if rids is not None:
             self._plan_anchors(req_pool_indices, out_cache_loc, list(prefix_cpu), list(extend_cpu), list(rids))
+        kv.table.mark()
         ends = [c0 + n for c0, n in zip(prefix_cpu, extend_cpu, strict=True)]
         self.extend.plan(self.req_to_token, req_pool_indices, prefix_lens, extend_lens, out_cache_loc,
                          max_extend_len=max(extend_cpu, default=0), max_seq_len=max(ends, default=0))

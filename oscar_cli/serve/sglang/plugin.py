@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -329,8 +328,6 @@ def radix_cache_class():
                 return result
             a, entry = self.oscar.table.deepest(result.device_indices)
             self.oscar.table.pin(req.rid, entry if a > 0 else None)
-            if a > 0 and "_oscar_unpin" not in req.__dict__:
-                req._oscar_unpin = weakref.finalize(req, self.oscar.table.unpin, req.rid)
             if a == len(result.device_indices):
                 return result
             key = params.key
