@@ -198,7 +198,7 @@ class Completion:
 
 @dataclass
 class EngineStats:
-    """Counters since start (read without a lock; each is written by the worker only)."""
+    """Counters since start (written under the engine's lock, read without it)."""
 
     requests: int = 0
     cancelled: int = 0
@@ -227,7 +227,7 @@ class TransformersEngine:
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.device = next(self.model.parameters()).device
         self.kv = kv_setup(self.model, artifact)
-        self.max_position = int(getattr(self.model.config, "max_position_embeddings", 0) or 2048)
+        self.max_position: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.stats = EngineStats()
         self._max_queue = ServeConfig.max_queue if max_queue is None else int(max_queue)
@@ -392,7 +392,6 @@ class TransformersEngine:
                     self._generate(req)
             except Exception as e:  # noqa: BLE001  (one failed request must not stop the worker)
                 log.exception("generation failed")
-                self.stats.errors += 1
                 self._finish(req, Finished("error", len(req.prompt_ids), 0, error=f"{type(e).__name__}: {e}"))
             finally:
                 with self._lock:
@@ -404,9 +403,9 @@ class TransformersEngine:
     def _finish(self, req: Request, ev: Finished) -> None:
         with self._lock:
             self._admitted -= 1
-        self.stats.requests += 1
-        if ev.reason == "cancelled":
-            self.stats.cancelled += 1
+            self.stats.requests += 1
+            self.stats.cancelled += ev.reason == "cancelled"
+            self.stats.errors += ev.reason == "error"
         self._emit(req, ev)
 
     def _emit(self, req: Request, ev: Event) -> bool:
@@ -427,7 +426,8 @@ class TransformersEngine:
         p = req.params
         ids = req.prompt_ids
         n_prompt = len(ids)
-        self.stats.prompt_tokens += n_prompt
+        with self._lock:
+            self.stats.prompt_tokens += n_prompt
         score_prompt = p.echo and p.logprobs is not None
         cache = self.kv.new_cache()
         logits = self._forward(torch.tensor(ids, device=self.device), cache, keep_all=score_prompt)
@@ -450,7 +450,8 @@ class TransformersEngine:
                 break
             tok = _pick(last, p.temperature, p.top_p, gen)
             n_gen += 1
-            self.stats.generated_tokens += 1
+            with self._lock:
+                self.stats.generated_tokens += 1
             if tok in stops:
                 reason = "stop"
                 break

@@ -143,7 +143,9 @@ def create_app(engine: TransformersEngine, config: ServeConfig | None = None) ->
     """The FastAPI app serving ``engine`` as configured by ``config``; its lifespan starts and stops the engine."""
     cfg = config or ServeConfig()
     context = cfg.max_context or engine.max_position
-    if context > engine.max_position:
+    if context is None:
+        raise ServeConfigError("the model's config has no max_position_embeddings; pass --max-context")
+    if engine.max_position is not None and context > engine.max_position:
         raise ServeConfigError(f"--max-context {context} exceeds the model's {engine.max_position} positions")
     served = cfg.model_id or engine.loaded.slug
     metrics = Metrics()

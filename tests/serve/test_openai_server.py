@@ -424,3 +424,12 @@ def test_shutdown_cancels_what_is_left(word_model, serve_store):
         rest = [ln for ln in lines if ln]
     assert b"data: [DONE]" not in rest
     r.close()
+
+
+def test_max_context_is_checked_against_the_model(bf16_server):
+    from oscar_cli.serve.config import ServeConfig, ServeConfigError
+    from oscar_cli.serve.openai_server import create_app
+
+    with pytest.raises(ServeConfigError, match="--max-context 4096 exceeds the model's 1024 positions"):
+        create_app(bf16_server.engine, ServeConfig(max_context=4096))
+    assert create_app(bf16_server.engine, ServeConfig(max_context=16)).state.context == 16
