@@ -15,8 +15,11 @@ not "exact prefill, quantize afterwards"), then moves tokens that left the recen
 attends with anything else (``sdpa`` after a ``set_attn_implementation``, say), ``update`` refuses with one line
 instead of letting attention silently cover the exact tail only.
 
-Two seams for kernels: :meth:`OscarLayer._pack` (rotate + quantize + pack rows) and :meth:`OscarLayer.attend`
-(attend over head + codes + tail); the torch reference dequantizes the codes it reads.
+Two backends hold the rows. The torch reference (any method: INT4, KIVI, any head dim; what CPU evaluation uses)
+keeps ``head``/``codes``/``tail`` as above and dequantizes the codes it reads. The kernel backend
+(:mod:`oscar_cli.cache_kernels`, the default on CUDA for INT2 per-token layers the Triton kernels cover) keeps every
+quantized layer in one :class:`oscar_kernels.Int2KVPool` and attends through the fused plan/run kernels; it computes
+the same attention (Design P windows) up to bf16 rounding of the exact rows.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from . import attention as attn
-from . import fused
+from .cache_kernels import KernelLayer, KernelState, kernel_ready
 from .config import QuantScheme
 from .errors import OscarError
 from .kvquant import LayerQuant, dequantize_rows, quantize_rows, quantized_count
@@ -48,9 +51,9 @@ class OscarLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, lq: LayerQuant | None, windows: QuantScheme, config):
+    def __init__(self, lq: LayerQuant | None, windows: QuantScheme, config, kernel: KernelLayer | None = None):
         super().__init__()
-        self.lq, self.windows, self.config = lq, windows, config
+        self.lq, self.windows, self.config, self.kernel = lq, windows, config, kernel
         self.n = 0
         self.ready = False
         self.head_k = self.head_v = None
@@ -62,8 +65,11 @@ class OscarLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        if self.kernel is not None:
+            self.kernel.stash(key_states, value_states)  # written into the pool by this step's attend
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
         self.n += key_states.shape[-2]
         impl = getattr(self.config, "_attn_implementation", None)
         if impl != attn.ATTN_NAME:
@@ -80,6 +86,8 @@ class OscarLayer(DynamicLayer):
         super().reset()
         self.n, self.ready, self.tail_start = 0, False, 0
         self.head_k = self.head_v = self.codes_k = self.codes_v = None
+        if self.kernel is not None:
+            self.kernel.state.reset()
 
     def reorder_cache(self, beam_idx):
         raise OscarError("OscarCache does not support beam search; use greedy or sampling")
@@ -116,6 +124,11 @@ class OscarLayer(DynamicLayer):
         """Seam: attention of the new queries ``[B, Hq, m, d]`` over the whole cache; returns ``[B, m, Hq, d]``."""
         m, n = query.shape[2], self.n
         q_pos = torch.arange(n - m, n, device=query.device)
+        if self.kernel is not None:
+            def first_real():
+                return attn.first_real(attn.to_bool_mask(attention_mask, query.shape[0], q_pos, n))
+
+            return self.kernel.attend(query, first_real, n, scaling)
         allowed = attn.to_bool_mask(attention_mask, query.shape[0], q_pos, n)
         if not self.ready:
             self._first_call(allowed)
@@ -124,8 +137,6 @@ class OscarLayer(DynamicLayer):
         lq, w = self.lq, self.windows
         qend = self.qstart + quantized_count(n, self.qstart, w.recent, lq.token_block)
         ts = self.tail_start
-        if qend > self.qstart and fused.usable(self, query):
-            return fused.decode(self, query, scaling, qend)
         # exact rows: the head [0, len_head) and the tail [ts, n); positions in between are read quantized by all rows
         k_pos = None
         if ts > 0 and self.head_k is not None:
@@ -172,24 +183,48 @@ class OscarLayer(DynamicLayer):
         self.tail_start = qend
 
 
+BACKENDS = ("auto", "reference", "kernels")
+
+
 class OscarCache(Cache):
     """INT2 (or INT4) KV cache with exact sink and recent windows. Build with :func:`make_cache`.
 
     ``quants``: one :class:`LayerQuant` per layer (None = exact layer); ``scheme``: the quant scheme (its sink and
-    recent windows; the bits and group are the quantizers')."""
+    recent windows; the bits and group are the quantizers'). ``backend``: ``auto`` (the kernels on CUDA when every
+    quantized layer is one they cover, else the torch reference), ``reference``, or ``kernels`` (refused with one line
+    naming the layer and the reason when they do not cover it; on CPU it needs ``TRITON_INTERPRET=1``)."""
 
-    def __init__(self, model, quants: list[LayerQuant | None], scheme: QuantScheme):
+    def __init__(self, model, quants: list[LayerQuant | None], scheme: QuantScheme, backend: str = "auto"):
         attn._register()
         if not attn.is_installed(model):
             attn.install(model, None, None)
+        if backend not in BACKENDS:
+            raise OscarError(f"unknown cache backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         dev = next(model.parameters()).device
-        layers = [OscarLayer(None if q is None else q.to(dev), scheme, model.config) for q in quants]
+        cfg = model.config
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        why = {i: kernel_ready(q, scheme, d) for i, q in enumerate(quants) if q is not None}
+        if backend == "kernels" and any(why.values()):
+            i = next(i for i, w in why.items() if w)
+            raise OscarError(f"the kernel cache backend cannot run layer {i}: {why[i]}; use backend='reference'")
+        use_kernels = bool(why) and not any(why.values()) and (backend == "kernels" or
+                                                                (backend == "auto" and dev.type == "cuda"))
+        self.kernel_state = KernelState({i: quants[i] for i in why}, scheme, cfg) if use_kernels else None
+        layers = []
+        for i, q in enumerate(quants):
+            kernel = KernelLayer(i, self.kernel_state) if use_kernels and q is not None else None
+            layers.append(OscarLayer(None if q is None else q.to(dev), scheme, cfg, kernel))
         super().__init__(layers=layers)
         self.scheme = scheme
 
+    @property
+    def backend(self) -> str:
+        return "kernels" if self.kernel_state is not None else "reference"
+
     def nbytes(self) -> int:
-        """Bytes held by all layers (what the cache costs in memory)."""
-        return sum(layer.nbytes() for layer in self.layers)
+        """Bytes held by all layers (what the cache costs in memory; the kernel backend's pool as allocated)."""
+        pool = self.kernel_state.nbytes if self.kernel_state is not None else 0
+        return pool + sum(layer.nbytes() for layer in self.layers)
 
     def elements(self) -> int:
         """K and V elements represented (padded positions included)."""
@@ -204,7 +239,8 @@ class OscarCache(Cache):
         return self.nbytes() * 8 / max(1, self.elements())
 
 
-def make_cache(model, method: Method, quants: list[LayerQuant | None] | None, scheme: QuantScheme):
+def make_cache(model, method: Method, quants: list[LayerQuant | None] | None, scheme: QuantScheme,
+               backend: str = "auto"):
     """A fresh cache for one generation: :class:`OscarCache` for quantizing methods and ``bf16``, transformers'
     ``QuantizedCache`` (2 bits, group 64, residual ``scheme.recent``) for ``hf-*`` peers."""
     if method.family == "hf":
@@ -219,7 +255,7 @@ def make_cache(model, method: Method, quants: list[LayerQuant | None] | None, sc
             kw.pop("config")
             return QuantizedCache(**kw)
     n_layers = model.config.num_hidden_layers
-    return OscarCache(model, quants if quants is not None else [None] * n_layers, scheme)
+    return OscarCache(model, quants if quants is not None else [None] * n_layers, scheme, backend)
 
 
 def cache_kwarg(model) -> str:

@@ -1,0 +1,109 @@
+"""Decode time per token of a transformers model through ``OscarCache`` (kernel backend) vs ``DynamicCache`` BF16.
+
+Usage: python benchmarks/bench_cache.py [--model smollm2-135m] [--store .oscar] [--artifact PATH] [--contexts 1024,8192]
+       [--steps 64] [--commit SHA] [--results benchmarks/RESULTS.md]
+
+For each context length: a random prompt of that many tokens is prefilled once per cache, then ``--steps`` greedy
+decode steps are timed one by one (``torch.cuda.synchronize`` around each ``model(...)`` call); the table shows the
+median ms per token of both caches, their ratio, and the caches' bytes. OscarCache runs the artifact's scheme
+(``--artifact``; without one, the data-free ``int2-hadamard`` at the default scheme) on the kernel backend
+(``DecodePlan``/``ExtendPlan`` over an ``Int2KVPool``). Both caches see the same model, prompt and steps in the same
+run. Appends the table to RESULTS.md with date, device, commit and command. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+
+
+def time_decode(model, cache, prompt: torch.Tensor, steps: int, kw: str) -> tuple[float, int]:
+    """Median ms per decode step after prefilling ``prompt`` into ``cache``; returns (ms, steps)."""
+    ms = []
+    with torch.no_grad():
+        out = model(prompt, **{kw: cache}, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = model(nxt, **{kw: cache}, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            ms.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(ms[steps // 8:]), steps  # the first steps warm the launch caches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--store", type=Path, default=Path(".oscar"))
+    ap.add_argument("--artifact", type=Path, default=None)
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--results", default="benchmarks/RESULTS.md")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_cache needs CUDA (the kernel backend is the point of the measurement)")
+    from transformers import DynamicCache
+
+    from oscar_cli.artifact import load_artifact
+    from oscar_cli.cache import OscarCache, cache_kwarg
+    from oscar_cli.evaluate import head_dim_of, prepare
+    from oscar_cli.methods import get_method, scheme_for
+    from oscar_cli.models import load_model
+
+    loaded = load_model(args.model, args.store, dtype=torch.bfloat16, device="cuda")
+    model, cfg = loaded.model, loaded.model.config
+    art = load_artifact(args.artifact, loaded.fingerprint) if args.artifact else None
+    method = get_method("oscar" if art else "int2-hadamard")
+    scheme = scheme_for(method, head_dim_of(cfg), artifact_scheme=art.scheme if art else None)
+    kw = cache_kwarg(model)
+    gen = torch.Generator().manual_seed(0)
+    lines = ["| context | DynamicCache BF16 ms/token | OscarCache ms/token | ratio | BF16 cache MB | OscarCache MB |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        prompt = torch.randint(0, cfg.vocab_size, (1, ctx), generator=gen).cuda()
+        model.set_attn_implementation("sdpa")
+        dyn = DynamicCache(config=cfg)
+        t_dyn, _ = time_decode(model, dyn, prompt, args.steps, kw)
+        dyn_mb = sum(t.numel() * t.element_size() for layer in dyn.layers for t in (layer.keys, layer.values)) / 1e6
+        del dyn
+        prep = prepare(model, method, scheme, art)
+        cache = OscarCache(model, prep.quants, scheme, backend="kernels")
+        t_osc, _ = time_decode(model, cache, prompt, args.steps, kw)
+        osc_mb = cache.nbytes() / 1e6
+        del cache
+        torch.cuda.empty_cache()
+        lines.append(f"| {ctx} | {t_dyn:.2f} | {t_osc:.2f} | {t_osc / t_dyn:.2f} | {dyn_mb:.1f} | {osc_mb:.1f} |")
+        print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    cmd = " ".join(["python"] + sys.argv)
+    what = f"artifact {art.name} ({scheme.describe()})" if art else f"int2-hadamard ({scheme.describe()})"
+    with open(args.results, "a") as f:
+        f.write(f"\n## OscarCache decode vs DynamicCache BF16: {datetime.date.today()}, measured on "
+                f"{torch.cuda.get_device_name()}, commit {args.commit or git_commit()}\n\nCommand: `{cmd}`. "
+                f"{loaded.slug} in bf16, batch 1, random prompt of each length prefilled once, median of the last "
+                f"{args.steps - args.steps // 8} of {args.steps} greedy decode steps (synchronised wall time per "
+                f"`model(...)` call); OscarCache on the kernel backend with {what}; OscarCache MB is the pool as "
+                f"allocated (per-row capacity doubles).\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
