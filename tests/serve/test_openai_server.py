@@ -367,8 +367,15 @@ def test_metrics_parse_and_count(bf16_server):
                                                max_tokens=4, temperature=0).usage)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=-1)
-    after = scrape()
     ep = "/v1/completions"
+
+    def counted(m) -> bool:  # a request is counted just after its last byte, possibly after the client read it
+        n = get(m, "oscar_request_latency_seconds_count", endpoint=ep)
+        return n - get(before, "oscar_request_latency_seconds_count", endpoint=ep) == 3 and \
+            get(m, "oscar_requests_in_flight") == 0
+
+    wait_until(lambda: counted(scrape()))
+    after = scrape()
     assert get(after, "oscar_requests_total", endpoint=ep, status="200") - \
         get(before, "oscar_requests_total", endpoint=ep, status="200") == 2
     assert get(after, "oscar_requests_total", endpoint=ep, status="400") - \
