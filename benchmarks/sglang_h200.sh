@@ -93,6 +93,9 @@ MODEL=$(env -u PYTHONPATH PYTHONPATH="$SITE" python3 -c "$convert" "$STAGE/SmolL
 
 . "$STAGE/unpack.sh" /nonexistent                        # SGLang's site first on PYTHONPATH (already unpacked)
 export PYTHONPATH=$PYTHONPATH:$SITE OSCAR_SITE=$SITE OSCAR_COMMIT=$(cat "$STAGE/commit" 2>/dev/null || echo unknown)
+# pre-flight: the plugin inside SGLang's own code on this machine (entry point, hooks, parser, radix cache, pool and
+# backend classes), when pytest is there
+if python3 -c 'import pytest' 2>/dev/null; then python3 -m pytest -q -p no:cacheprovider tests/serve/test_sglang_live.py; fi
 python3 benchmarks/sglang_h200.py "${2:-all}" --model "$MODEL" --artifact "$STAGE/artifact" --store "$STORE" \
   --work "$STAGE/work"
 mkdir -p "${OUT:-$STAGE/out}" && cp benchmarks/RESULTS.md "${OUT:-$STAGE/out}/RESULTS.md"

@@ -84,8 +84,10 @@ arguments use ``Hkv/tp`` heads. A TP size that does not divide the KV heads (or 
 (``ServerArgs.check_server_args`` AFTER hook) and again where the scheduler builds the pool.
 
 ``launch.build_launch`` builds the server command and environment; ``benchmarks/sglang_h200.sh`` is the GPU run.
-Nothing here has run on a GPU or inside SGLang yet: the contract, pool, backend and prefix-caching logic are tested on
-CPU against the 0.5.17 source and the kernels' interpreter.
+Nothing here has run on a GPU or in a serving SGLang yet: the contract, pool, backend and prefix-caching logic are
+tested on CPU against the 0.5.17 source and the kernels' interpreter, and ``tests/serve/test_sglang_live.py`` drives
+the plugin through SGLang's own code where SGLang is importable (it was, on CPU, from a site of its pinned
+dependencies).
 """
 
 from __future__ import annotations
