@@ -188,6 +188,9 @@ def model_refusals(manifest: Any, facts: ModelFacts, tp_size: int = 1, load_form
         if facts.fingerprint != manifest.model_fingerprint:
             out.append(f"the artifact was fitted for model fingerprint {manifest.model_fingerprint}, the model folder "
                        f"says {facts.fingerprint}; fit an artifact for this model")
+        elif load_format == "dummy":
+            notes.append("--load-format dummy: the folder's fingerprint matches the artifact, the weights served are "
+                         "random")
     elif load_format == "dummy":
         notes.append("--load-format dummy: random weights cannot match the artifact's weight fingerprint; checked the "
                      "head layout only")

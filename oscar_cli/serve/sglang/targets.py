@@ -343,10 +343,7 @@ def check_live(targets: Iterable[Target]) -> list[str]:
             problems.append(f"{t.path}: {e}")
             continue
         fn = obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
-        fn = inspect.unwrap(fn)
-        got = _live_params(fn)
-        if isinstance(obj, classmethod) or t.params[:1] == ("cls",):
-            got = ("cls", *got) if got[:1] != ("cls",) else got
+        got = _live_params(inspect.unwrap(fn))  # a classmethod's function lists cls, like the source
         if got != t.params:
             problems.append(f"{t.path}: parameters ({', '.join(got)}) != expected ({', '.join(t.params)})")
     return problems
