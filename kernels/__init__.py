@@ -10,6 +10,8 @@ run a layer's write + attention (``run``) with no host synchronisation.
 """
 
 import importlib
+import sys
+import types
 
 _EXPORTS = {
     "decode_int2": ("DecodeIndex", "SplitPolicy", "decode_index", "decode_int2", "decode_int2_ref", "decode_workspace",
@@ -24,14 +26,26 @@ _EXPORTS = {
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 
 
-def __getattr__(name: str):
-    """Exports load their module (and Triton) on first use, so ``oscar_kernels.scheme`` stays a light import."""
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class _Package(types.ModuleType):
+    """Exports load their module (and Triton) on first use, so ``import oscar_kernels.scheme`` stays light. Three
+    kernels share their module's name (``quantize_pack``, ``decode_int2``, ``extend_int2``): when the import system
+    binds such a submodule on the package, the package keeps the function under that name, as an eager
+    ``from .quantize_pack import quantize_pack`` would."""
 
+    def __getattr__(self, name: str):
+        if name in _WHERE:
+            value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+            types.ModuleType.__setattr__(self, name, value)
+            return value
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _WHERE and isinstance(value, types.ModuleType):
+            return  # a submodule named like its kernel: the name stays the kernel's
+        types.ModuleType.__setattr__(self, name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "DEFAULT_CLIP_RATIO",
