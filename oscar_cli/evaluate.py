@@ -240,6 +240,13 @@ def _make_oscar_lm_class():
 _OSCAR_LM = None
 
 
+def __getattr__(name: str):
+    """``oscar_cli.evaluate.OscarLM`` (the entry point lm-eval resolves) builds the class on first use."""
+    if name == "OscarLM":
+        return oscar_lm_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def oscar_lm_class():
     """The registered lm-eval model class (registered on first use, so importing this module stays cheap)."""
     global _OSCAR_LM

@@ -15,7 +15,7 @@ registry accepts ``importlib.metadata.EntryPoint`` placeholders, but no code fil
 The placeholder is exactly ``<module>:<class>`` of the class :func:`oscar_cli.evaluate.oscar_lm_class` registers, so
 when ``oscar eval`` registers it in the same process the registry upgrades the placeholder in place instead of
 refusing a second registration. ``oscar_cli.evaluate`` builds that class on first use (importing lm-eval's ``HFLM``
-is slow); when the module does not expose ``OscarLM`` itself, the hook gives it a module ``__getattr__`` that does.
+is slow) through its module ``__getattr__``.
 
 Import-light on purpose (standard library only): every interpreter of the environment imports it at startup.
 """
@@ -32,7 +32,6 @@ PTH_LINE = ('import sys; exec("try:\\n import oscar_cli.serve.lm_eval_plugin as 
             'if m is not None:\\n m.install_hook()")\n')
 """The startup line: a removed or broken oscar-kv install leaves other interpreters alone."""
 REGISTRY_MODULE = "lm_eval.api.registry"
-MODEL_MODULE = "oscar_cli.evaluate"
 
 
 def register(registry=None) -> list[str]:
@@ -47,22 +46,7 @@ def register(registry=None) -> list[str]:
         if ep.name not in registry:
             registry.register(ep.name, target=ep.value.replace(" ", ""))
             added.append(ep.name)
-    if added:
-        after_import(MODEL_MODULE, provide_model_class)
     return added
-
-
-def provide_model_class(module) -> None:
-    """Let ``getattr(oscar_cli.evaluate, "OscarLM")`` build the class (what resolving the placeholder does)."""
-    if hasattr(module, "OscarLM") or "__getattr__" in vars(module):
-        return
-
-    def __getattr__(name: str):
-        if name == "OscarLM":
-            return module.oscar_lm_class()
-        raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
-
-    module.__getattr__ = __getattr__
 
 
 def install_hook() -> None:
