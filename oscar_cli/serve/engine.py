@@ -54,8 +54,8 @@ class EngineStopped(EngineError):
 @dataclass(frozen=True)
 class KVSetup:
     """A model in its serving state. ``new_cache()`` returns a fresh cache for one request, ``cache_kwarg`` the
-    keyword that passes it to ``forward``; ``method`` is the method label; ``scheme`` is ``{bits, group, sink,
-    recent}`` (None for ``bf16``)."""
+    keyword that passes it to ``forward``; ``method`` is the method label; ``scheme`` is the artifact's
+    ``QuantScheme.to_dict()`` (None for ``bf16``)."""
 
     method: str
     scheme: dict | None
@@ -85,8 +85,7 @@ def kv_setup(model, artifact) -> KVSetup:
     def new_cache():
         return make_cache(model, prep.method, prep.quants, prep.scheme)
 
-    shown = None if artifact is None else dict(bits=scheme.bits, group=scheme.group, sink=scheme.sink,
-                                               recent=scheme.recent)
+    shown = None if artifact is None else scheme.to_dict()
     return KVSetup(method.label, shown, new_cache, cache_kwarg(model))
 
 

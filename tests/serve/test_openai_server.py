@@ -44,7 +44,8 @@ def test_models_show_artifact_and_scheme(word_model, serve_store, word_artifact)
         assert info["method"] == "oscar"
         assert info["artifact"] == {"name": f"{word_artifact.parent.name}/{word_artifact.name}",
                                     "path": str(word_artifact.resolve()), "content_hash": manifest["content_hash"]}
-        assert info["scheme"] == {"bits": 2, "group": 32, "sink": 4, "recent": 8}
+        assert info["scheme"] == {"bits": 2, "group": 32, "sink": 4, "recent": 8, "scale_dtype": "fp16",
+                                  "levels": "uniform"}
         assert info["model_fingerprint"] == manifest["model_fingerprint"]
         prompt = WordKit.text(40, seed=3)  # longer than sink + recent: the INT2 part of the cache is read
         c = srv.client().completions.create(model=card.id, prompt=prompt, max_tokens=10, temperature=0,
