@@ -110,7 +110,8 @@ def test_artifact_prompt_logprobs_are_decode_equivalent(word_model, serve_store,
     eng = load_engine(word_model, serve_store, word_artifact)
     try:
         assert eng.method == "oscar"
-        assert eng.scheme == {"bits": 2, "group": 32, "sink": 4, "recent": 8}
+        assert eng.scheme == {"bits": 2, "group": 32, "sink": 4, "recent": 8, "scale_dtype": "fp16",
+                              "levels": "uniform"}
         from helpers import WordKit
 
         ids = eng.encode(WordKit.text(48, seed=5))
