@@ -16,20 +16,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (not a git checkout)"
+from oscar_cli import code_version
 
 
 def time_decode(model, cache, prompt: torch.Tensor, steps: int, kw: str) -> tuple[float, int]:
@@ -98,7 +91,7 @@ def main() -> None:
     what = f"artifact {art.name} ({scheme.describe()})" if art else f"int2-hadamard ({scheme.describe()})"
     with open(args.results, "a") as f:
         f.write(f"\n## OscarCache decode vs DynamicCache BF16: {datetime.date.today()}, measured on "
-                f"{torch.cuda.get_device_name()}, commit {args.commit or git_commit()}\n\nCommand: `{cmd}`. "
+                f"{torch.cuda.get_device_name()}, commit {args.commit or code_version()}\n\nCommand: `{cmd}`. "
                 f"{loaded.slug} in bf16, batch 1, random prompt of each length prefilled once, median of the last "
                 f"{args.steps - args.steps // 8} of {args.steps} greedy decode steps (synchronised wall time per "
                 f"`model(...)` call); OscarCache on the kernel backend with {what}; OscarCache MB is the pool as "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import subprocess
 import sys
 
 import torch
@@ -25,6 +24,8 @@ from oscar_kernels import DecodePlan, Int2KVPool, Int2Pool, LayerCache, decode_i
 from oscar_kernels.decode_int2 import default_num_splits
 from oscar_kernels.scheme import QuantScheme
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from oscar_cli import code_version
 
 HQ, HKV, D = 32, 8, 128  # Qwen3-8B attention
 SINK, RECENT = 64, 64
@@ -145,13 +146,6 @@ def sweep(gen, shapes):
         torch.cuda.empty_cache()
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -166,7 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    commit = args.commit or git_commit()
+    commit = args.commit or code_version()
     gen = torch.Generator(device=DEV).manual_seed(0)
     bw = copy_bandwidth()
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
 import sys
 
 import torch
@@ -18,18 +17,13 @@ import triton
 from oscar_kernels import Int2Pool, quantize_pack
 from triton.runtime.errors import OutOfResources
 
+from oscar_cli import code_version
+
 N, HKV, D = 32768, 8, 128
 DEV = "cuda"
 VARIANTS = [(64, "ieee", 4), (32, "tf32x3", 4), (64, "tf32x3", 4), (64, "tf32x3", 8), (128, "tf32x3", 4),
             (128, "tf32x3", 8), (64, "tf32", 4)]  # (block_n, rot_precision, num_warps)
 
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    commit = args.commit or git_commit()
+    commit = args.commit or code_version()
     gen = torch.Generator(device=DEV).manual_seed(0)
     x = torch.randn(N, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
     rot = torch.linalg.qr(torch.randn(HKV, D, D, device=DEV, generator=gen))[0].contiguous()

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import LayerCache, _interpreting, cached_rows_ref, check_index, check_seq
+from .layout import LayerCache, _interpreting, cached_rows_ref, check_index, check_query, check_seq
 
 DEFAULT_MIN_PROGRAMS = 128
 """General path: split programs aimed for at least (about one per SM of an H200), through the split policy's
@@ -802,14 +802,8 @@ def decode_int2(
     Returns:
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
     """
-    bsz, hq, d = q.shape
+    bsz, hq, d = check_query(q, cache)
     hkv = cache.kv_heads
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"q must be bf16/fp16/fp32, got {q.dtype}")
-    if d != cache.head_dim:
-        raise ValueError(f"q head dim {d} does not match the cache's {cache.head_dim}")
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
     index.check(bsz)
     gqa = hq // hkv
     g = cache.group_size

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .decode_int2 import exact_tile, softmax_step
-from .layout import LayerCache, _interpreting, check_index, check_seq, dequantize_ref
+from .layout import LayerCache, _interpreting, check_index, check_query, check_seq, dequantize_ref
 
 DEFAULT_BLOCK_M = 64
 """Rows of the M dimension per program: ``BLOCK_T = DEFAULT_BLOCK_M / GQA_P`` tokens times the padded GQA group
@@ -251,14 +251,8 @@ def _rotate(x: torch.Tensor, rot: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _check(q, k_new, v_new, cache: LayerCache, index: ExtendIndex) -> None:
-    n, hq, d = q.shape
+    n, hq, d = check_query(q, cache)
     hkv = cache.kv_heads
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"q must be bf16/fp16/fp32, got {q.dtype}")
-    if d != cache.head_dim:
-        raise ValueError(f"q head dim {d} does not match the cache's {cache.head_dim}")
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
     if k_new.shape != (n, hkv, d) or v_new.shape != (n, hkv, d):
         raise ValueError(f"k_new/v_new must be [{n}, {hkv}, {d}], got {tuple(k_new.shape)} {tuple(v_new.shape)}")
     index.check()

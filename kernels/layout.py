@@ -158,6 +158,19 @@ def check_index(name: str, indptr: torch.Tensor, indices: torch.Tensor, batch: i
         raise ValueError(f"{name}_indices must be int32 [nnz], got {indices.dtype} {tuple(indices.shape)}")
 
 
+def check_query(q: torch.Tensor, cache) -> tuple[int, int, int]:
+    """``q`` float ``[N, Hq, d]`` for ``cache`` (a :class:`LayerCache`): its head dim, ``Hq`` a multiple of the KV
+    heads. Returns ``(N, Hq, d)``."""
+    n, hq, d = q.shape
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"q must be bf16/fp16/fp32, got {q.dtype}")
+    if d != cache.head_dim:
+        raise ValueError(f"q head dim {d} does not match the cache's {cache.head_dim}")
+    if hq % cache.kv_heads:
+        raise ValueError(f"query heads {hq} must be a multiple of KV heads {cache.kv_heads}")
+    return n, hq, d
+
+
 def check_seq(name: str, t: torch.Tensor, batch: int, dtypes=(torch.int32,)) -> None:
     """``t`` is a 1-d integer tensor of ``batch`` elements (one per sequence)."""
     if t.dtype not in dtypes or t.shape != (batch,):
