@@ -25,7 +25,8 @@ def test_smollm2_with_artifact_through_the_openai_client(embedded_store, embedde
     try:
         (card,) = client.models.list().data
         assert card.id == "smollm2-135m" and card.oscar["method"] == "oscar"
-        assert card.oscar["scheme"] == {"bits": 2, "group": 64, "sink": 16, "recent": 64}
+        assert card.oscar["scheme"] == {"bits": 2, "group": 64, "sink": 16, "recent": 64, "scale_dtype": "fp16",
+                                           "levels": "uniform"}
 
         # chat through the ChatML template, long enough that the INT2 part of the cache is read (> sink + recent)
         messages = [{"role": "user", "content": CONTEXT * 2 + "Question: what is the capital of France? "
