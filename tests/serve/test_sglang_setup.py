@@ -21,7 +21,7 @@ from oscar_cli.serve.sglang.refusals import (
     server_args_view,
 )
 from oscar_cli.serve.sglang.settings import OscarSettings, SettingsError, read_settings, write_settings
-from oscar_cli.serve.sglang.setup import artifact_scheme, load_checked_artifact, rank_setup
+from oscar_cli.serve.sglang.setup import load_checked_artifact, rank_setup
 from oscar_cli.serve.sglang.sizing import budget
 from oscar_cli.serve.sglang.tp import layer_stack, rank_heads, slice_for_rank
 
@@ -139,14 +139,6 @@ def test_bad_settings_are_one_line_errors(text, words):
     with pytest.raises(SettingsError) as e:
         read_settings(text)
     assert words in str(e.value) and "\n" not in str(e.value)
-
-
-def test_scheme_is_read_from_the_artifact_in_one_place():
-    art = fake_artifact(scheme=QuantScheme(group=16, sink=2, recent=4))
-    assert artifact_scheme(art) == QuantScheme(group=16, sink=2, recent=4)
-    assert artifact_scheme(SimpleNamespace(manifest=art.manifest)) == art.manifest.scheme
-    legacy = SimpleNamespace(manifest={"quant": {"bits": 2, "group": 0, "sink": 16, "recent": 64}})
-    assert artifact_scheme(legacy) == QuantScheme(group=0, sink=16, recent=64)
 
 
 # ------------------------------------------------------------------------------------------------------ refusals

@@ -9,7 +9,6 @@ result). No SGLang imports.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from oscar_kernels.scheme import QuantScheme
@@ -19,15 +18,6 @@ from .refusals import ModelFacts, model_refusals, refuse
 from .settings import OscarSettings
 from .sizing import Budget, budget
 from .tp import layer_stack, rank_heads, slice_for_rank
-
-
-def artifact_scheme(artifact: Any) -> QuantScheme:
-    """The artifact's quant scheme: ``artifact.scheme`` / ``artifact.manifest.scheme``, or, for manifests that are
-    still plain dicts, their ``"quant"`` entry. The one place the plugin reads it."""
-    for s in (getattr(artifact, "scheme", None), getattr(getattr(artifact, "manifest", None), "scheme", None)):
-        if isinstance(s, QuantScheme):
-            return s
-    return QuantScheme.from_dict(artifact.manifest["quant"], "manifest quant")
 
 
 def load_checked_artifact(settings: OscarSettings, facts: ModelFacts, tp_size: int = 1,
@@ -71,7 +61,7 @@ def rank_setup(settings: OscarSettings, artifact: Artifact, facts: ModelFacts, *
     q_heads = facts.num_heads // tp_size
     t = layer_stack(slice_for_rank(artifact.tensors, facts.kv_heads, tp_size, tp_rank), list(artifact.layers),
                     num_layers, start_layer)
-    scheme = artifact_scheme(artifact).resolved(facts.head_dim)
+    scheme = artifact.scheme.resolved(facts.head_dim)  # the artifact's: no second source of it
     b = budget(scheme, num_layers, len(heads), facts.head_dim, q_heads, request_slots, settings.anchors,
                max_tokens, max_seq_len)
     return RankSetup(settings=settings, scheme=scheme, tp_rank=tp_rank, start_layer=start_layer,
