@@ -359,7 +359,8 @@ def write_model(folder: Path, tokenizer: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(QWEN3_8B_SHAPED, indent=2) + "\n")
     for n in found:
-        shutil.copy(tokenizer / n, folder / n)
+        if (tokenizer / n).resolve() != (folder / n).resolve():
+            shutil.copy(tokenizer / n, folder / n)
     meta = {"source": "Qwen3-8B-shaped config, random weights (--load-format dummy)",
             "fingerprint": model_fingerprint(QWEN3_8B_SHAPED)}
     (folder / FINGERPRINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -373,7 +374,12 @@ def random_rotations(n_layers: int, d: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(n_layers, d, d, generator=g, dtype=torch.float64)
-    q, r = torch.linalg.qr(a)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small QRs: the thread pool only adds contention (seconds instead of 40 ms on 2 cores)
+    try:
+        q, r = torch.linalg.qr(a)
+    finally:
+        torch.set_num_threads(threads)
     q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
     return q.float().unsqueeze(1).contiguous()
 
@@ -706,8 +712,10 @@ class Monitor:
     """While a measurement runs: ``/v1/loads`` (running requests, KV tokens in use, token usage) and the device's
     memory, polled every :data:`POLL_S` seconds on a thread; keeps the largest values."""
 
-    def __init__(self, base: str | None, gpu: Callable[[], float | None] = gpu_used_mib, interval: float = POLL_S):
-        self.base, self.gpu, self.interval = base, gpu, interval
+    def __init__(self, base: str | None, gpu: Callable[[], float | None] = gpu_used_mib,
+                 interval: float | None = None):
+        self.base, self.gpu = base, gpu
+        self.interval = POLL_S if interval is None else interval
         self.peak = {"running": 0, "used_tokens": 0, "token_usage": 0.0, "gpu_mib": None}
         self.last: dict = {}
         self._stop = threading.Event()
@@ -905,11 +913,13 @@ class Run:
         for t in threads:
             t.start()
         end = time.perf_counter() + timeout
-        while any(t.is_alive() for t in threads) and time.perf_counter() < end:
-            done = sum(s.tokens for s in streams)
-            first = sum(1 for s in streams if s.events)
+        while time.perf_counter() < end:
+            alive = [t for t in threads if t.is_alive()]
+            if not alive:
+                break
+            done, first = sum(s.tokens for s in streams), sum(1 for s in streams if s.events)
             self.progress.describe(f"{self.config.name}: {what}: {first}/{len(streams)} decoding, {done} tokens")
-            time.sleep(0.5)
+            alive[0].join(timeout=min(0.5, max(0.0, end - time.perf_counter())))
         if any(t.is_alive() for t in threads):
             try:
                 self.server.post("/abort_request", {"abort_all": True}, timeout=30)
@@ -992,8 +1002,8 @@ def measure_capacity(run: Run) -> list[dict]:
                         [mon.peak["token_usage"], *(x["usage"] for x in lines)]),
                     seconds=time.perf_counter() - t0, finished=sum(1 for s in streams if s.done and not s.error),
                     gpu_mib_peak=mon.peak["gpu_mib"], errors=errors,
-                    label=f"{n} x {cfg.admission_context // 1024}k (the {cfg.long_context // 1000}k count at a "
-                          f"{cfg.admission_context // 1024}k context)")]
+                    label=f"{n} x {tokens_label(cfg.admission_context)} (the {tokens_label(cfg.long_context)} count "
+                          f"at a {tokens_label(cfg.admission_context)} context)")]
 
 
 def decode_at(run: Run, batch: int, context: int, roles: list[str]) -> dict:
@@ -1113,7 +1123,7 @@ def profile_point(run: Run, batch: int, context: int) -> dict:
                 trace = (f, read_trace(f))
             except (OSError, EOFError, ValueError):
                 trace = None  # still being written
-        time.sleep(1)
+        time.sleep(0.2)
     for t in threads:
         t.join(timeout=max(1.0, end - time.perf_counter()))
     if trace is None:
@@ -1215,7 +1225,7 @@ def _tokenizer(cfg: BenchConfig) -> Path:
 SUMMARY_HEADERS = ("config", "KV", "max tokens", "x BF16", "req @100k", "admitted", "bits/el", "bits/el pool",
                    "tok/s largest", "x BF16", "tok/s equal", "x BF16", "ITL 8k ms", "ITL 32k ms", "ITL 100k ms",
                    "peak GiB")
-PROFILE_HEADERS = ("config", "point", "attention ms", "GEMM ms", "other ms", "total ms", "attention share")
+PROFILE_HEADERS = ("config", "point", "attention ms", "GEMM ms", "other ms", "total ms", "attention %")
 DASH = "—"
 GIB = 1 << 30
 
@@ -1243,6 +1253,15 @@ def bits_per_element(server: dict) -> tuple[float | None, float | None]:
         gib = server["kv_alloc"]["k_gib"] + server["kv_alloc"]["v_gib"]
     pool = 8 * gib * GIB / (tokens * ept) if gib and tokens else None
     return cell, pool
+
+
+def tokens_label(n: int) -> str:
+    """32768 -> 32k, 100000 -> 100k, 512 -> 512."""
+    if n >= 1000 and n % 1024 == 0:
+        return f"{n // 1024}k"
+    if n >= 1000 and n % 1000 == 0:
+        return f"{n // 1000}k"
+    return str(n)
 
 
 def _fmt(v: float | None, spec: str = ".3g") -> str:
@@ -1286,7 +1305,7 @@ def summary_rows(records: list[dict]) -> list[list[str]]:
         cell, pool = bits_per_element(srv) if srv else (None, None)
         adm = _latest(records, c, "admission")
         admitted = DASH if adm is None else (f"{max(adm.get('max_running_loads', 0), adm.get('max_running_log', 0))}"
-                                             f"/{adm['requests']} @{adm['context'] // 1024}k")
+                                             f"/{adm['requests']} @{tokens_label(adm['context'])}")
         large = _latest(records, c, "throughput", lambda r: "largest" in r.get("roles", []) and r.get("tok_s"))
         eq = _latest(records, c, "throughput", lambda r: "equal" in r.get("roles", []) and r.get("tok_s"))
         base_eq = eq and _latest(records, BASELINE, "throughput",
@@ -1323,7 +1342,7 @@ def profile_rows(records: list[dict]) -> list[list[str]]:
         if r["measure"] != "profile" or r.get("skipped") or r.get("error") or r.get("total_ms") is None:
             continue
         total = r["total_ms"]
-        rows.append([r["config"], f"bs{r['batch']}/{r['context'] // 1000}k", f"{r['attention_ms']:.2f}",
+        rows.append([r["config"], f"bs{r['batch']}/{tokens_label(r['context'])}", f"{r['attention_ms']:.2f}",
                      f"{r['gemm_ms']:.2f}", f"{r['other_ms']:.2f}", f"{total:.2f}",
                      DASH if not total else f"{r['attention_ms'] / total:.0%}"])
     return rows
@@ -1380,7 +1399,7 @@ def results_section(records: list[dict]) -> str:
               "context: the same count of shorter requests). bits/el: per token slot; bits/el pool: SGLang's KV "
               "allocation over its token capacity (oscar: with the exact regions of every request slot and anchor). "
               "tok/s: decode tokens/s of all streams while all were decoding, at a "
-              f"{long_ctx // 1000}k context; P = distinct prompts really prefilled, R = one shared prefix reused "
+              f"{tokens_label(long_ctx)} context; P = distinct prompts really prefilled, R = one shared prefix reused "
               "(each step still attends over batch x context positions; the pool holds the prefix once). "
               "ITL: batch-1 median inter-token latency, prompt really prefilled. peak GiB: nvidia-smi, whole device."]
     prof = profile_rows(records)
@@ -1398,61 +1417,69 @@ def append_results(path: Path, section: str) -> None:
         f.write("\n" + section)
 
 
-def plot(records: list[dict], path: Path) -> Path:
-    """Decode tokens/s and memory against batch (throughput records) and context (batch-1 latency records), one
-    line per configuration; memory is the KV in use (``/v1/loads`` tokens x the pool's bytes per token, solid) and
-    the device's peak (dashed)."""
-    import matplotlib
+PLOT_PANELS = (("tok_s_batch", "decode tokens/s vs batch (long context)", "batch", "tokens/s"),
+               ("tok_s_context", "batch-1 decode tokens/s vs context", "context (tokens)", "tokens/s"),
+               ("mem_batch", "memory vs batch", "batch", "GiB"),
+               ("mem_context", "memory vs context (batch 1)", "context (tokens)", "GiB"))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
-    drawn = 0
+def plot_series(records: list[dict]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """What :func:`plot` draws: panel -> line label -> sorted (x, y) points. Tokens/s against batch (throughput
+    records) and context (batch-1 latency: 1000 / ITL); memory against both: the KV in use (``/v1/loads`` tokens x
+    the pool's bytes per token, label ``CONFIG KV in use``) and the device's peak (``CONFIG device peak``), GiB."""
+    out: dict[str, dict[str, list[tuple[float, float]]]] = {k: {} for k, *_ in PLOT_PANELS}
     for c in configs_of(records):
         srv = _latest(records, c, "server")
         per_token = None
         if srv and srv.get("max_total_num_tokens") and (srv.get("memory_usage") or {}).get("kvcache"):
             per_token = srv["memory_usage"]["kvcache"] * GIB / srv["max_total_num_tokens"]
-        for col, measure, x_key in ((0, "throughput", "batch"), (1, "latency", "context")):
-            pts = {}
+        for measure, x_key, speed, mem in (("throughput", "batch", "tok_s_batch", "mem_batch"),
+                                           ("latency", "context", "tok_s_context", "mem_context")):
+            pts: dict[float, dict] = {}
             for r in records:
-                if r["config"] != c or r["measure"] != measure or r.get("skipped") or r.get("error"):
-                    continue
+                if r["config"] == c and r["measure"] == measure and not r.get("skipped") and not r.get("error"):
+                    pts[r[x_key]] = r
+            for x in sorted(pts):
+                r = pts[x]
                 y = r.get("tok_s") if measure == "throughput" else (1e3 / r["itl_ms"] if r.get("itl_ms") else None)
-                if y is None:
-                    continue
-                pts[r[x_key]] = (y, r.get("used_tokens_peak"), r.get("gpu_mib_peak"))
-            if not pts:
-                continue
-            xs = sorted(pts)
-            line, = ax[0][col].plot(xs, [pts[x][0] for x in xs], marker="o", label=c)
-            if per_token:
-                used = [(x, pts[x][1] * per_token / GIB) for x in xs if pts[x][1]]
-                if used:
-                    ax[1][col].plot(*zip(*used, strict=True), marker="o", color=line.get_color(), label=f"{c} KV in use")
-            peak = [(x, pts[x][2] / 1024) for x in xs if pts[x][2]]
-            if peak:
-                ax[1][col].plot(*zip(*peak, strict=True), ls="--", color=line.get_color(), label=f"{c} device peak")
-            drawn += 1
-    if not drawn:
-        plt.close(fig)
+                if y is not None:
+                    out[speed].setdefault(c, []).append((x, y))
+                if per_token and r.get("used_tokens_peak"):
+                    out[mem].setdefault(f"{c} KV in use", []).append((x, r["used_tokens_peak"] * per_token / GIB))
+                if r.get("gpu_mib_peak"):
+                    out[mem].setdefault(f"{c} device peak", []).append((x, r["gpu_mib_peak"] / 1024))
+    return out
+
+
+def plot(records: list[dict], path: Path) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """Draw :func:`plot_series` into ``path`` (matplotlib, Agg; 2 x 2 panels; device peaks dashed); returns the
+    series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = plot_series(records)
+    if not any(series.values()):
         raise BenchError("no throughput or latency records to plot")
-    titles = (("decode tokens/s vs batch (100k context)", "batch", "tokens/s"),
-              ("batch-1 decode tokens/s vs context", "context (tokens)", "tokens/s"),
-              ("memory vs batch", "batch", "GiB"), ("memory vs context (batch 1)", "context (tokens)", "GiB"))
-    for a, (t, xl, yl) in zip([ax[0][0], ax[0][1], ax[1][0], ax[1][1]], titles, strict=True):
-        a.set_title(t, fontsize=10)
-        a.set_xlabel(xl)
-        a.set_ylabel(yl)
-        a.grid(alpha=0.3)
-        if a.get_lines():
-            a.legend(fontsize=7)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
+    colors = {c: f"C{i}" for i, c in enumerate(configs_of(records))}
+    for ax, (key, title, xl, yl) in zip(axes.flat, PLOT_PANELS, strict=True):
+        for label, pts in series[key].items():
+            config = label.split(" ")[0]
+            ax.plot(*zip(*pts, strict=True), marker="o", ls="--" if label.endswith("device peak") else "-",
+                    color=colors.get(config), label=label)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xl)
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+        if series[key]:
+            ax.legend(fontsize=7)
     if any(r.get("synthetic") for r in records):
         fig.suptitle("SYNTHETIC SAMPLE, not measured", color="red")
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return Path(path)
+    return series
 
 
 # ---------------------------------------------------------------------------------------------------- bootstrap

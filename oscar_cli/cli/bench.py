@@ -22,6 +22,8 @@ from ._app import JsonOpt, StoreOpt, app, console, guarded, out
 
 DRIVER = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
 DEFAULT_OUT = Path(".oscar/bench")
+TABLE_WIDTH = 220
+"""Characters the summary table is laid out in when the terminal is narrower (its 16 columns need about 200)."""
 
 
 def driver():
@@ -209,16 +211,19 @@ def _render(d, records: list[dict], json_out: bool, results_md: Path | None, plo
     if json_out:
         out.print_json(json.dumps(records, default=str))
         return
+    from rich.console import Console
+
     synthetic = " (SYNTHETIC SAMPLE, not measured)" if any(r.get("synthetic") for r in records) else ""
-    t = Table(title=f"oscar bench{synthetic}")
+    wide = Console(width=max(out.width, TABLE_WIDTH))  # 16 columns: wider than the terminal rather than cropped
+    t = Table(title=f"oscar bench{synthetic}", title_justify="left")
     for h in d.SUMMARY_HEADERS:
         t.add_column(h, justify="left" if h in ("config", "KV", "admitted") else "right")
     for row in d.summary_rows(records):
         t.add_row(*row)
-    out.print(t)
+    wide.print(t)
     prof = d.profile_rows(records)
     if prof:
-        p = Table(title="one decode step (ms of kernel time)")
+        p = Table(title="one decode step (ms of kernel time)", title_justify="left")
         for h in d.PROFILE_HEADERS:
             p.add_column(h, justify="left" if h in ("config", "point") else "right")
         for row in prof:
