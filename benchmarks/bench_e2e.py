@@ -620,11 +620,13 @@ def percentile(values: list[float], q: float) -> float:
 
 # ---------------------------------------------------------------------------------------------------- trace summary
 ATTENTION_KERNELS = re.compile(
-    r"decode_int2|extend_int2|rotate_q|decode_rows|quantize_pack|_plan_(?:lengths|fill)|"  # oscar (kernels/)
-    r"flashinfer|BatchDecode|BatchPrefill|MergeState|VariableLengthMerge|"  # flashinfer
-    r"_fwd_kernel|_fwd_grouped_kernel|kv_indices|"  # SGLang triton attention (decode_attention / extend_attention)
-    r"store_kv|set_kv_buffer|reshape_and_cache|fmha|flash_fwd|attention", re.IGNORECASE)
-"""Attention, KV-write and attention-plan kernels of the three backends."""
+    r"decode_int2|extend_int2|rotate_q_kernel|decode_rows|quantize_pack|_plan_(?:lengths|fill)|"  # oscar (kernels/)
+    r"BatchDecode|BatchPrefill|SingleDecode|SinglePrefill|MergeState|VariableLengthMerge|"  # flashinfer attention
+    r"(?:^|[^a-z])_fwd_kernel(?:_stage\d|_unified)?(?:$|[^a-z_])|_fwd_grouped_kernel_stage|"  # SGLang triton
+    r"_copy_unified_indices|kv_indices|store_cache|store_kv|set_kv_buffer|reshape_and_cache|"  # KV writes, indices
+    r"fmha|flash_fwd|flash_attn|attention", re.IGNORECASE)
+"""Attention, KV-write and attention-index kernels of the three backends (flashinfer's norm, activation and
+sampling kernels share its namespace and are not attention)."""
 GEMM_KERNELS = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|matmul|splitk", re.IGNORECASE)
 """The weight matmuls (cuBLAS/cuBLASLt/CUTLASS names on Hopper); checked after :data:`ATTENTION_KERNELS`."""
 
@@ -1128,8 +1130,13 @@ def profile_point(run: Run, batch: int, context: int) -> dict:
         t.join(timeout=max(1.0, end - time.perf_counter()))
     if trace is None:
         return run.add("profile", batch=batch, context=context, error=f"no trace {pid}* under {folder}")
+    summary = trace_summary(trace[1], PROFILE_STEPS)
+    if not summary["kernels"]:
+        return run.add("profile", batch=batch, context=context, trace=str(trace[0]),
+                       error="the trace holds no GPU kernels (graph replays not traced?); rerun with -- "
+                             "--cuda-graph-backend-decode disabled")
     return run.add("profile", batch=batch, context=context, steps=PROFILE_STEPS, trace=str(trace[0]),
-                   probe_cached_tokens=cached, **trace_summary(trace[1], PROFILE_STEPS))
+                   probe_cached_tokens=cached, **summary)
 
 
 def measure_profile(run: Run) -> list[dict]:

@@ -236,14 +236,15 @@ def test_trace_summary_splits_attention_gemm_and_other():
           ("_fwd_grouped_kernel_stage1", "kernel", 500.0),
           ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "kernel", 3000.0),
           ("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 1000.0),
-          ("void at::native::rms_norm_kernel", "kernel", 400.0), ("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 100.0),
+          ("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>", "kernel", 300.0),  # not attention
+          ("_layer_norm_fwd_kernel", "kernel", 100.0), ("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 100.0),
           ("aten::mm", "cpu_op", 9999.0)]
     trace = {"traceEvents": [{"ph": "X", "cat": c, "name": n, "dur": us, "ts": i} for i, (n, c, us) in enumerate(ev)]
              + [{"ph": "i", "cat": "kernel", "name": "marker"}]}
     s = d.trace_summary(trace, steps=2)
     assert s["attention_ms"] == pytest.approx(4.0 / 2) and s["gemm_ms"] == pytest.approx(4.0 / 2)
     assert s["other_ms"] == pytest.approx(0.5 / 2) and s["total_ms"] == pytest.approx(8.5 / 2)
-    assert s["kernels"] == 8 and s["top"][0][0].startswith("nvjet")
+    assert s["kernels"] == 9 and s["top"][0][0].startswith("nvjet")
 
 
 def test_decode_window_and_token_gaps():
