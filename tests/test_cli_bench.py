@@ -629,3 +629,17 @@ def test_server_argv_goes_through_build_launch_and_keeps_baselines_plugin_free(q
     with pytest.raises(ServeRefusal, match="--kv-cache-dtype"):  # the plugin's own refusal, through build_launch
         d.server_argv(d.CONFIGS["oscar"], d.BenchConfig(out=tmp_path, extra=("--kv-cache-dtype", "fp8_e4m3")),
                       model, art, tmp_path / "p")
+
+
+def test_plugin_site_exposes_the_checkout_and_its_entry_point(tmp_path):
+    from importlib.metadata import distributions
+
+    site = d.plugin_site(tmp_path / "site")
+    repo = Path(d.__file__).resolve().parents[1]
+    assert (site / "oscar_cli").resolve() == repo / "oscar_cli"
+    assert (site / "oscar_kernels").resolve() == repo / "kernels"  # as installed: no top-level kernels/ on the path
+    (dist,) = list(distributions(path=[str(site)]))
+    eps = {(e.group, e.name): e.value for e in dist.entry_points}
+    assert eps[("sglang.srt.plugins", "oscar")] == "oscar_cli.serve.sglang:register"
+    assert eps[("lm_eval.models", "oscar")] == "oscar_cli.evaluate:OscarLM"
+    assert d.plugin_site(tmp_path / "site") == site  # idempotent: the links are kept
