@@ -187,6 +187,8 @@ MIN_MEASURE_S = 30.0
 """A measurement does not start with less time than this left."""
 POLL_S = 1.0
 """How often /v1/loads and nvidia-smi are polled during a measurement."""
+HEALTH_POLL_S = 2.0
+"""How often a starting server's /health is asked."""
 SUFFIX_TOKENS = 32
 """Distinct tokens after the shared prefix of a ``prefix`` fill."""
 PREFIX_SLACK = 2048
@@ -784,7 +786,7 @@ class Server:
                 self.start_s = time.perf_counter() - self.started
                 return self.start_s
             except (OSError, RuntimeError, http.client.HTTPException):
-                time.sleep(2)
+                time.sleep(HEALTH_POLL_S)
         raise ServerError(f"the server did not answer /health within {timeout:.0f} s: {self.last_error()} "
                           f"(log: {self.log})")
 

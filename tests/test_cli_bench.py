@@ -643,3 +643,38 @@ def test_plugin_site_exposes_the_checkout_and_its_entry_point(tmp_path):
     assert eps[("sglang.srt.plugins", "oscar")] == "oscar_cli.serve.sglang:register"
     assert eps[("lm_eval.models", "oscar")] == "oscar_cli.evaluate:OscarLM"
     assert d.plugin_site(tmp_path / "site") == site  # idempotent: the links are kept
+
+
+HEALTHY = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+print("Uvicorn running", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_server_process_start_and_stop(tmp_path, monkeypatch):
+    import socket
+    import sys
+
+    monkeypatch.setattr(d, "HEALTH_POLL_S", 0.05)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = d.Server([sys.executable, "-c", "print('loading'); print('ValueError: no such model'); raise SystemExit(3)"],
+                    {}, tmp_path / "dead.log", port, tmp_path)
+    with pytest.raises(d.ServerError, match=r"exited with 3 while starting: ValueError: no such model"):
+        dead.wait_ready(timeout=30)
+    dead.stop()
+    srv = d.Server([sys.executable, "-c", HEALTHY, str(port)], {"X": "1"}, tmp_path / "ok.log", port, tmp_path)
+    try:
+        assert 0 < srv.wait_ready(timeout=30) < 30 and srv.alive()
+        assert "Uvicorn running" in srv.log_text()
+    finally:
+        srv.stop()
+    assert not srv.alive() and srv.proc.returncode is not None
