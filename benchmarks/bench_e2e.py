@@ -63,22 +63,36 @@ run with ``SGLANG_PLUGINS=none`` (no plugin loaded: unmodified SGLang). Configur
 selectable, records are appended (and fsynced) one per line as each measurement ends, a measurement that cannot
 start inside ``--budget-s`` is recorded as skipped, each request's timeout is a ceiling from its token counts
 (:data:`PREFILL_FLOOR_TOK_S`, :data:`STEP_CEIL_S_PER_TOKEN`) capped by the time left, and timed-out requests are
-aborted (``/abort_request``) and recorded as such. Server starts time out at ``--start-timeout`` (a first start was
-139 s there, later ones 55 s).
+aborted (``/abort_request``) and recorded as such. A first server start times out at ``--start-timeout`` (300 s; one
+was 139 s there), later ones in the same command at :data:`RESTART_TIMEOUT_S` (180 s; 55 s there).
 
 **Rendering** (pure functions over the records: :func:`summary_rows`, :func:`profile_rows`, :func:`markdown`,
 :func:`results_section`, :func:`plot`): one table (capacity, ratios to BF16, requests per 100k, bits per element,
 admission, tokens/s at the largest and the equal batch with ratios, ITL at each context, peak memory), the profile
 summary, and a ``benchmarks/RESULTS.md`` section with date, device, commit and command taken from the records.
 
-**On the H200** (SGLang's site archive and a tokenizer folder carried; see ``/work/shared/sglang-h200``)::
+**On the H200** (not run yet). CPU side, once: SGLang's site archive and a tokenizer folder into the ignored
+``.whl/`` (``/work/shared/sglang-h200/README.md``)::
 
-    . .whl/sgl/unpack.sh .whl/sgl/sglsite.tar.xz && python3 benchmarks/bench_e2e.py --configs flashinfer \\
-        --tokenizer .whl/bench/tokenizer --out .whl/bench/out; cp .whl/bench/out/results.jsonl benchmarks/RESULTS.md $OUT/
+    grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
+    bash ../shared/sglang-h200/build_site.sh .whl/sgl && cp ../shared/sglang-h200/unpack.sh .whl/sgl/
+    mkdir -p .whl/bench/tokenizer && cp STORE/models/smollm2-135m/tokenizer*.json .whl/bench/tokenizer/
 
-``python3 benchmarks/bench_e2e.py ARGS`` is ``oscar bench ARGS`` for a checkout without installed entry points: it
-puts the checkout's ``oscar_cli`` and ``kernels`` (as ``oscar_kernels``) with the plugin's entry point on the path
-first (:func:`plugin_site`).
+GPU side, one configuration per 10-minute command, carrying ``.whl/sgl`` and ``.whl/bench`` (57 MiB with the
+checkout); ``.whl/bench/results.jsonl`` carries the records of the calls before (the BF16 batch for oscar's equal
+batch), copied back from ``$OUT`` after each call::
+
+    . .whl/sgl/unpack.sh .whl/sgl/sglsite.tar.xz && mkdir -p /tmp/oscar-bench &&
+    { cp .whl/bench/results.jsonl /tmp/oscar-bench/ 2>/dev/null; true; } &&
+    python3 benchmarks/bench_e2e.py --configs flashinfer --tokenizer .whl/bench/tokenizer --out /tmp/oscar-bench;
+    cp /tmp/oscar-bench/results.jsonl benchmarks/RESULTS.md $OUT/; cp /tmp/oscar-bench/logs/*.log $OUT/
+
+then ``--configs oscar``, ``--configs flashinfer-fp8``, and ``--configs flashinfer,oscar --measure profile``; a
+measurement that does not fit a command is recorded as skipped and can run alone (``--measure latency``). Back on
+CPU, ``oscar bench --render .whl/bench/results.jsonl --results-md benchmarks/RESULTS.md --plot FILE`` (or the last
+call's RESULTS.md, which holds one section over every record). ``python3 benchmarks/bench_e2e.py ARGS`` is ``oscar
+bench ARGS`` for a checkout without installed entry points: it puts the checkout's ``oscar_cli`` and ``kernels`` (as
+``oscar_kernels``) with the plugin's entry point on the path (:func:`plugin_site`), for the servers too.
 """
 
 from __future__ import annotations
@@ -187,6 +201,9 @@ MIN_MEASURE_S = 30.0
 """A measurement does not start with less time than this left."""
 POLL_S = 1.0
 """How often /v1/loads and nvidia-smi are polled during a measurement."""
+RESTART_TIMEOUT_S = 180.0
+"""Start timeout of every server after the first in one command (compile caches warm: 55 s there, plus up to a
+minute of flashinfer JIT for a new backend); the first gets ``--start-timeout`` (300 s: 139 s seen, plus JIT)."""
 HEALTH_POLL_S = 2.0
 """How often a starting server's /health is asked."""
 SUFFIX_TOKENS = 32
@@ -225,7 +242,7 @@ class BenchConfig:
     """oscar's request slots (each holds sink + recent exact rows per layer); the baselines keep SGLang's default."""
     cuda_graph_max_bs: int = 64
     budget_s: float = 540.0
-    start_timeout_s: float = 360.0
+    start_timeout_s: float = 300.0
     port: int = 31000
     extra: tuple[str, ...] = ()
     """Passed to every server after the bench's own flags."""
@@ -1195,8 +1212,9 @@ def run(cfg: BenchConfig, progress: Progress | None = None, *, start: Callable[.
             if config.backend == "oscar":
                 check = check_with_plugin(model, artifact, cfg.max_running_requests, cfg.context_length)
                 records.append(rec.add("plugin_check", name, **check))
+            limit = cfg.start_timeout_s if i == 0 else min(cfg.start_timeout_s, RESTART_TIMEOUT_S)
             server = start(config, cfg, model, artifact if config.backend == "oscar" else None,
-                           min(cfg.start_timeout_s, max(5.0, deadline - time.perf_counter())))
+                           min(limit, max(5.0, deadline - time.perf_counter())))
         except Exception as e:  # noqa: BLE001  (one configuration's failure is a record, not the end of the run)
             records.append(rec.add("server", name, error=f"{type(e).__name__}: {e}"))
             for _ in range(steps_left):
