@@ -177,11 +177,12 @@ def test_render_writes_section_plot_and_json(tmp_path):
 
 def test_render_without_results_md_writes_none(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    default = Path(d.__file__).resolve().parent / "RESULTS.md"
-    before = default.read_text()
+    (tmp_path / "benchmarks").mkdir()
+    default = tmp_path / "benchmarks" / "RESULTS.md"
+    default.write_text("before\n")
     r = invoke("--render", SAMPLE)
     assert r.exit_code == 0, r.output
-    assert default.read_text() == before
+    assert default.read_text() == "before\n"
 
 
 def test_render_refuses_bad_files_with_one_line(tmp_path):
@@ -498,7 +499,7 @@ class FakeProcess:
 
 def test_measurements_through_a_fake_sglang_server(tmp_path, qwen, monkeypatch):
     _, model, art = qwen
-    monkeypatch.setattr(d, "POLL_S", 0.01)
+    monkeypatch.setattr(d.server, "POLL_S", 0.01)
     cfg = d.BenchConfig(out=tmp_path, configs=("oscar", "flashinfer"), measures=d.MEASURES, context_length=2048,
                         long_context=1024, admission_context=512, admission_new_tokens=12,
                         latency_contexts=(256, 512, 1024), decode_tokens=12, prefill_budget=5000,
@@ -634,15 +635,19 @@ def test_server_argv_goes_through_build_launch_and_keeps_baselines_plugin_free(q
 def test_plugin_site_exposes_the_checkout_and_its_entry_point(tmp_path):
     from importlib.metadata import distributions
 
-    site = d.plugin_site(tmp_path / "site")
-    repo = Path(d.__file__).resolve().parents[1]
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e_script", script)
+    boot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(boot)
+    site = boot.plugin_site(tmp_path / "site")
+    repo = script.parents[1]
     assert (site / "oscar_cli").resolve() == repo / "oscar_cli"
     assert (site / "oscar_kernels").resolve() == repo / "kernels"  # as installed: no top-level kernels/ on the path
     (dist,) = list(distributions(path=[str(site)]))
     eps = {(e.group, e.name): e.value for e in dist.entry_points}
     assert eps[("sglang.srt.plugins", "oscar")] == "oscar_cli.serve.sglang:register"
     assert eps[("lm_eval.models", "oscar")] == "oscar_cli.evaluate:OscarLM"
-    assert d.plugin_site(tmp_path / "site") == site  # idempotent: the links are kept
+    assert boot.plugin_site(tmp_path / "site") == site  # idempotent: the links are kept
 
 
 HEALTHY = """
@@ -662,7 +667,7 @@ def test_server_process_start_and_stop(tmp_path, monkeypatch):
     import socket
     import sys
 
-    monkeypatch.setattr(d, "HEALTH_POLL_S", 0.05)
+    monkeypatch.setattr(d.server, "HEALTH_POLL_S", 0.05)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,6 +1,6 @@
 """``oscar bench``: OSCAR INT2 KV in SGLang 0.5.17 against SGLang's BF16 and FP8 KV, end to end on a GPU.
 
-The command parses flags into the driver's ``BenchConfig`` (``benchmarks/bench_e2e.py``, which holds the spec of
+The command parses flags into the library's ``BenchConfig`` (:mod:`oscar_cli.bench`, which holds the spec of
 every measurement), runs it with a progress bar, and renders the recorded results: one table, a section appended to
 ``benchmarks/RESULTS.md``, and with ``--plot`` a figure. ``--render RESULTS_JSON`` only renders recorded results
 (no GPU, no SGLang). The benchmark has not run on a GPU yet.
@@ -20,30 +20,16 @@ from ..config import DEFAULT_MODEL, DEFAULT_STORE
 from ..errors import OscarError
 from ._app import JsonOpt, StoreOpt, app, console, guarded, out
 
-DRIVER = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
 DEFAULT_OUT = Path(".oscar/bench")
 TABLE_WIDTH = 220
 """Characters the summary table is laid out in when the terminal is narrower (its 16 columns need about 200)."""
 
 
 def driver():
-    """The driver module ``benchmarks/bench_e2e.py`` of this checkout (loaded once, as ``bench_e2e``)."""
-    import importlib.util
+    """The benchmark library (:mod:`oscar_cli.bench`), imported on first use."""
+    from .. import bench
 
-    if "bench_e2e" in sys.modules:
-        return sys.modules["bench_e2e"]
-    if not DRIVER.is_file():
-        raise OscarError(f"oscar bench runs from a checkout: {DRIVER} is missing (the benchmarks/ folder is not "
-                         "installed with the package)")
-    spec = importlib.util.spec_from_file_location("bench_e2e", DRIVER)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_e2e"] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules["bench_e2e"]
-        raise
-    return mod
+    return bench
 
 
 def _names(kind: str):
@@ -157,7 +143,7 @@ def bench_cmd(
         start_timeout_s=start_timeout, port=port, extra=tuple(ctx.args), command=_command())
     _bench_errors(_run, d, cfg, json_out)
     records = d.load_records(Path(cfg.out) / d.RESULTS_FILE)
-    default_md = Path(__file__).resolve().parents[2] / "benchmarks" / "RESULTS.md"
+    default_md = Path("benchmarks/RESULTS.md")  # as the other benchmarks: relative to the checkout it runs in
     _render(d, records, json_out, None if no_results_md else (results_md or default_md), plot)
 
 

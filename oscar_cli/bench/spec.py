@@ -1,0 +1,317 @@
+"""What ``oscar bench`` runs: the Qwen3-8B-shaped model and its data-free artifact, the configurations and their
+server arguments (see :mod:`oscar_cli.bench` for the whole spec)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+"""The checkout this package sits in (the plugin site and RESULTS.md default are relative to it)."""
+SGLANG_VERSION = "0.5.17"
+RESULTS_FILE = "results.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+MODEL_SLUG = "qwen3-8b-shaped"
+QWEN3_8B_SHAPED: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
+    "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 36,
+    "initializer_range": 0.02, "bos_token_id": 151643, "eos_token_id": 151645,
+}
+"""Qwen3-8B's architecture (its config.json, with 131072 positions so ``--context-length 131072`` needs no
+override)."""
+ELEMENTS_PER_TOKEN = (2 * QWEN3_8B_SHAPED["num_hidden_layers"] * QWEN3_8B_SHAPED["num_key_value_heads"]
+                      * QWEN3_8B_SHAPED["head_dim"])
+"""K and V elements one token slot holds over all layers (73,728)."""
+ROTATION_SEED = 0
+"""Seed of the data-free artifact's rotations (the same artifact on every machine)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+FIRST_TOKEN_ID = 100
+"""Random prompt ids start here (above SmolLM2's special tokens)."""
+
+
+class BenchError(Exception):
+    """A benchmark that cannot run as asked (one line: what and how to fix it)."""
+
+
+# ---------------------------------------------------------------------------------------------------- configurations
+@dataclass(frozen=True)
+class ServeConfig:
+    """One SGLang server configuration under test."""
+
+    name: str
+    backend: str
+    kv_dtype: str | None
+    """``--kv-cache-dtype`` (None: SGLang's ``auto``, BF16 for this model)."""
+    kv: str
+    """How the table names its KV cache."""
+
+
+CONFIGS: dict[str, ServeConfig] = {c.name: c for c in (
+    ServeConfig("flashinfer", "flashinfer", None, "BF16"),
+    ServeConfig("flashinfer-fp8", "flashinfer", "fp8_e4m3", "FP8 e4m3"),
+    ServeConfig("triton", "triton", None, "BF16"),
+    ServeConfig("triton-fp8", "triton", "fp8_e4m3", "FP8 e4m3"),
+    ServeConfig("oscar", "oscar", None, "INT2 g128 s64/r256"),
+)}
+"""In run order: baselines first, so the BF16 largest batch is recorded before oscar needs it."""
+BASELINE = "flashinfer"
+"""The configuration every ratio is taken against (the fastest BF16 backend there: bs1/100k 9.4 vs 49.5 ms/token
+with triton)."""
+DEFAULT_CONFIGS = ("flashinfer", "flashinfer-fp8", "oscar")
+MEASURES = ("capacity", "throughput", "latency", "profile")
+DEFAULT_MEASURES = ("capacity", "throughput", "latency")
+RUN_ORDER = ("capacity", "throughput", "profile", "latency")
+"""The order measurements run in: the profile reuses the throughput's shared prefix before latency flushes it."""
+PROFILED = ("oscar", "flashinfer", "triton")
+"""Configurations ``profile`` runs for: oscar against BF16."""
+FILLS = ("auto", "prefill", "prefix")
+
+COMMON_FLAGS = ("--load-format", "dummy", "--sampling-backend", "pytorch", "--log-level", "info",
+                "--decode-log-interval", "10")
+"""Flags of every server. ``--decode-log-interval 10``: a ``Decode batch`` log line (gen throughput) every 10 steps
+instead of 40, so a 128-step decode gives a dozen server-side samples."""
+NO_PLUGINS = "none"
+"""``SGLANG_PLUGINS`` of the baseline servers: a name no plugin has, so SGLang loads none."""
+
+# Timeouts and budgets: ceilings, not estimates; every one is also capped by the time left in --budget-s.
+PREFILL_FLOOR_TOK_S = 2000.0
+"""Prefill rate below which a request counts as stuck (an 8B model prefills far faster on an H200)."""
+STEP_CEIL_S_PER_TOKEN = 1e-6
+"""Decode-step ceiling per token of context in the batch (twice the triton backend's bs1/100k rate there)."""
+STEP_CEIL_S = 0.05
+"""Decode-step ceiling at no context (launches, sampling)."""
+REQUEST_SLACK_S = 60.0
+"""Added to every request's ceiling (queueing, detokenizer, HTTP)."""
+MIN_MEASURE_S = 30.0
+"""A measurement does not start with less time than this left."""
+RESTART_TIMEOUT_S = 180.0
+"""Start timeout of every server after the first in one command (compile caches warm: 55 s there, plus up to a
+minute of flashinfer JIT for a new backend); the first gets ``--start-timeout`` (300 s: 139 s seen, plus JIT)."""
+SUFFIX_TOKENS = 32
+"""Distinct tokens after the shared prefix of a ``prefix`` fill."""
+PREFIX_SLACK = 2048
+"""A probe counts the prefix as reused when ``cached_tokens`` is within this of its length: oscar reuses a prefix
+up to an anchor, taken every 1024 positions (the plugin's default ``anchor_interval``) and at chunk ends."""
+PROFILE_STEPS = 5
+"""Decode steps one profile captures (SGLang's ``num_steps``)."""
+PROFILE_TIMEOUT_S = 180.0
+"""How long the trace export may take."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One ``oscar bench`` run (see the module docstring for each measurement)."""
+
+    out: Path
+    tokenizer: Path | None = None
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    measures: tuple[str, ...] = DEFAULT_MEASURES
+    mem_fraction: float = 0.85
+    context_length: int = 131072
+    long_context: int = 100_000
+    """The context of a "100k-token request": the capacity count, throughput and profile batches."""
+    admission_context: int = 32768
+    admission_new_tokens: int = 32
+    latency_contexts: tuple[int, ...] = (8192, 32768, 100_000)
+    decode_tokens: int = 128
+    equal_batch: int | None = None
+    fill: str = "auto"
+    prefill_budget: int = 400_000
+    max_running_requests: int = 64
+    """oscar's request slots (each holds sink + recent exact rows per layer); the baselines keep SGLang's default."""
+    cuda_graph_max_bs: int = 64
+    budget_s: float = 540.0
+    start_timeout_s: float = 300.0
+    port: int = 31000
+    extra: tuple[str, ...] = ()
+    """Passed to every server after the bench's own flags."""
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out", Path(self.out))
+        bad = [c for c in self.configs if c not in CONFIGS]
+        if bad or not self.configs:
+            raise BenchError(f"unknown configuration(s) {', '.join(bad) or '(none)'}; choose from {', '.join(CONFIGS)}")
+        bad = [m for m in self.measures if m not in MEASURES]
+        if bad:
+            raise BenchError(f"unknown measurement(s) {', '.join(bad)}; choose from {', '.join(MEASURES)}")
+        if self.fill not in FILLS:
+            raise BenchError(f"--fill {self.fill}: choose from {', '.join(FILLS)}")
+        if not 0 < self.mem_fraction < 1:
+            raise BenchError(f"--mem-fraction-static {self.mem_fraction} must lie between 0 and 1")
+        lengths = (self.long_context, self.admission_context, *self.latency_contexts)
+        if any(c <= self.decode_tokens + SUFFIX_TOKENS or c > self.context_length for c in lengths):
+            raise BenchError(f"every context ({', '.join(map(str, lengths))}) must exceed --decode-tokens + "
+                             f"{SUFFIX_TOKENS} and fit --context-length {self.context_length}")
+        object.__setattr__(self, "configs", tuple(c for c in CONFIGS if c in self.configs))
+        object.__setattr__(self, "measures", tuple(m for m in RUN_ORDER if m in self.measures))
+
+
+def parse_names(spec: str, allowed: Iterable[str], what: str) -> tuple[str, ...]:
+    """Comma-separated names of ``allowed``; ValueError with one line otherwise."""
+    allowed = tuple(allowed)
+    names = tuple(t.strip() for t in spec.split(",") if t.strip())
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise ValueError(f"unknown {what} {', '.join(bad) or repr(spec)}; choose from {', '.join(allowed)}")
+    return names
+
+
+def requests_at(tokens: int | None, context: int) -> int | None:
+    """Concurrent requests of ``context`` tokens a pool of ``tokens`` token slots holds."""
+    return None if tokens is None else int(tokens) // int(context)
+
+
+
+
+# ---------------------------------------------------------------------------------------------------- model, artifact
+def model_fingerprint(config: dict) -> str:
+    """The fingerprint of a random-weight model of ``config``: its config digest (``oscar_cli.models``) and the words
+    "random weights", so it never equals a real checkpoint's."""
+    from oscar_cli.models import config_digest
+
+    return "sha256:" + hashlib.sha256(f"{config_digest(config)}|random weights".encode()).hexdigest()[:32]
+
+
+def tokenizer_vocab(folder: Path) -> int:
+    """Tokens the tokenizer in ``folder`` knows (its tokenizer.json's vocabulary and added tokens)."""
+    try:
+        tok = json.loads((Path(folder) / "tokenizer.json").read_text())
+        vocab = tok.get("model", {}).get("vocab", {})
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [int(a["id"]) for a in tok.get("added_tokens", [])]
+        return max(ids) + 1
+    except (OSError, ValueError, KeyError, TypeError):
+        raise BenchError(f"{folder} has no readable tokenizer.json; pass --tokenizer with a tokenizer folder (the "
+                         "converted SmolLM2 under STORE/models/smollm2-135m has one)") from None
+
+
+def write_model(folder: Path, tokenizer: Path) -> Path:
+    """``folder`` with the Qwen3-8B-shaped ``config.json``, the tokenizer files of ``tokenizer`` and
+    ``oscar_model.json`` (the random-weight fingerprint)."""
+    from oscar_cli.models import FINGERPRINT_FILE
+
+    tokenizer = Path(tokenizer)
+    found = [n for n in TOKENIZER_FILES if (tokenizer / n).is_file()]
+    if "tokenizer.json" not in found:
+        raise BenchError(f"--tokenizer {tokenizer} has no tokenizer.json; pass a tokenizer folder (e.g. "
+                         "STORE/models/smollm2-135m after `oscar collect`)")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(QWEN3_8B_SHAPED, indent=2) + "\n")
+    for n in found:
+        if (tokenizer / n).resolve() != (folder / n).resolve():
+            shutil.copy(tokenizer / n, folder / n)
+    meta = {"source": "Qwen3-8B-shaped config, random weights (--load-format dummy)",
+            "fingerprint": model_fingerprint(QWEN3_8B_SHAPED)}
+    (folder / FINGERPRINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return folder
+
+
+def random_rotations(n_layers: int, d: int, seed: int):
+    """Haar-random orthogonal matrices, fp32 ``[n_layers, 1, d, d]`` (QR of a Gaussian, signs fixed by R's
+    diagonal)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n_layers, d, d, generator=g, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small QRs: the thread pool only adds contention (seconds instead of 40 ms on 2 cores)
+    try:
+        q, r = torch.linalg.qr(a)
+    finally:
+        torch.set_num_threads(threads)
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
+    return q.float().unsqueeze(1).contiguous()
+
+
+def write_random_artifact(root: Path, fingerprint: str, seed: int = ROTATION_SEED) -> Path:
+    """A data-free artifact for :data:`QWEN3_8B_SHAPED` under ``root/qwen3-8b-shaped/vN`` (see the module
+    docstring); returns its folder."""
+    import torch
+    from oscar_kernels.scheme import QuantScheme
+
+    from oscar_cli.artifact import Manifest, write_artifact
+    from oscar_cli.config import AttentionShape
+
+    c = QWEN3_8B_SHAPED
+    n, h, d = c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"]
+    t = {"layers": torch.arange(n), "r_k": random_rotations(n, d, seed), "r_v": random_rotations(n, d, seed + 1),
+         "clip_k": torch.ones(n, 1), "clip_v": torch.ones(n, 1), "eig_k": torch.zeros(n, 1, d),
+         "eig_v": torch.zeros(n, 1, d)}
+    m = Manifest(model_slug=MODEL_SLUG, model_fingerprint=fingerprint, run_id=None, stats_digest="", data_digest="",
+                 calibration_tokens=0, method="random-orthogonal", per_head=False, layers=tuple(range(n)),
+                 shape=AttentionShape(n, c["num_attention_heads"], h, d), scheme=QuantScheme().resolved(d),
+                 fit_clip=False, clip_grid=(), metrics={"seed": seed, "note": "data-free, for benchmarks only"})
+    return write_artifact(Path(root), m, t, f"# oscar bench: random orthogonal rotations, seed {seed}\n")
+
+
+def prepare_model(out: Path, tokenizer: Path) -> tuple[Path, Path]:
+    """The model folder and its artifact under ``out`` (an artifact already there is reused when it still loads
+    with the folder's fingerprint)."""
+    from oscar_cli.artifact import ArtifactError, load_artifact
+
+    model = write_model(Path(out) / "model", tokenizer)
+    fp = model_fingerprint(QWEN3_8B_SHAPED)
+    arts = sorted((Path(out) / "artifacts" / MODEL_SLUG).glob("v*"), key=lambda p: int(p.name[1:] or 0))
+    for art in reversed(arts):
+        try:
+            load_artifact(art, fp)
+            return model, art
+        except ArtifactError:
+            continue
+    return model, write_random_artifact(Path(out) / "artifacts", fp)
+
+
+def check_with_plugin(model: Path, artifact: Path, max_running_requests: int, context_length: int,
+                      max_extend_tokens: int = 16384) -> dict:
+    """The plugin's own start-time checks on CPU (no SGLang): the artifact against the folder
+    (``load_checked_artifact`` with ``--load-format dummy``) and its budget for one rank (``rank_setup``). Raises
+    ``ServeRefusal`` with the plugin's line; returns the notes and the budget."""
+    from oscar_cli.serve.sglang.refusals import ModelFacts
+    from oscar_cli.serve.sglang.settings import OscarSettings
+    from oscar_cli.serve.sglang.setup import load_checked_artifact, rank_setup
+
+    settings = OscarSettings(artifact=Path(artifact).resolve())
+    facts = ModelFacts.from_folder(Path(model))
+    art, notes = load_checked_artifact(settings, facts, 1, "dummy")
+    setup = rank_setup(settings, art, facts, tp_size=1, tp_rank=0, request_slots=max_running_requests + 1,
+                       max_tokens=max_extend_tokens, max_seq_len=context_length, notes=tuple(notes))
+    b = setup.budget
+    return {"notes": list(notes), "cell_bytes": b.cell, "bf16_cell_bytes": b.bf16_cell, "fixed_bytes": b.fixed,
+            "scheme": setup.scheme.describe(), "artifact": str(artifact), "content_hash": art.manifest.content_hash}
+
+
+# ---------------------------------------------------------------------------------------------------- server argv
+def server_argv(config: ServeConfig, cfg: BenchConfig, model: Path, artifact: Path | None,
+                profile_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env to add)`` of one configuration's server. oscar's goes through ``build_launch`` (which refuses
+    flags the plugin cannot serve); the baselines' are plain ``sglang.launch_server`` with no plugin loaded."""
+    flags = [*COMMON_FLAGS, "--mem-fraction-static", str(cfg.mem_fraction), "--context-length",
+             str(cfg.context_length), "--cuda-graph-max-bs-decode", str(cfg.cuda_graph_max_bs)]
+    env = {"SGLANG_TORCH_PROFILER_DIR": str(Path(profile_dir).resolve())}
+    if config.backend == "oscar":
+        from oscar_cli.serve.sglang.launch import build_launch
+
+        if artifact is None:
+            raise BenchError("the oscar configuration needs an artifact")
+        flags += ["--max-running-requests", str(cfg.max_running_requests)]
+        argv, plugin_env = build_launch(str(model), Path(artifact), "127.0.0.1", cfg.port, [*flags, *cfg.extra])
+        return argv, {**env, **plugin_env}
+    if config.kv_dtype is not None:
+        flags += ["--kv-cache-dtype", config.kv_dtype]
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
+            "--port", str(cfg.port), "--attention-backend", config.backend, *flags, *cfg.extra]
+    return argv, {**env, "SGLANG_PLUGINS": NO_PLUGINS}
