@@ -42,6 +42,7 @@ from .config import (
 from .errors import OscarError
 from .kvquant import bits_per_element, build_layer_quants
 from .methods import Method, get_method, parse_methods, scheme_for, scheme_record
+from .progress import Progress
 
 __all__ = ["EvalError", "EvalResult", "EvalRow", "Prepared", "ThresholdMiss", "check_thresholds", "element_bits",
            "lm_task_names", "oscar_lm_class", "perplexity", "prepare", "resolve_artifact_ref", "run_eval",
@@ -411,16 +412,6 @@ def resolve_artifact_ref(store, ref: str, slug: str) -> Path:
             return Path(a["path"])
     raise EvalError(f"no artifact fitted with method {want}{' per head' if per_head else ''} for {slug}; "
                     f"run: oscar fit --method {want}{' --per-head' if per_head else ''}")
-
-
-class Progress:
-    """What :func:`run_eval` reports while it runs (the CLI draws a bar from it; the default does nothing)."""
-
-    def start(self, total: int) -> None: ...
-
-    def describe(self, text: str) -> None: ...
-
-    def advance(self) -> None: ...
 
 
 def reference_windows(artifacts: dict, overrides: dict[str, int]) -> QuantScheme:

@@ -97,6 +97,7 @@ bench ARGS`` for a checkout without installed entry points: it puts the checkout
 ``oscar_kernels``) with the plugin's entry point on the path (``plugin_site`` in that script), for the servers too.
 """
 
+from ..progress import Progress
 from .measure import run
 from .records import Recorder, load_records
 from .render import (
@@ -111,7 +112,6 @@ from .render import (
     summary_rows,
 )
 from .server import (
-    Progress,
     Server,
     ServerError,
     Stream,

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..progress import Progress
 from .records import Recorder, load_records
 from .render import tokens_label
 from .server import (
     Monitor,
-    Progress,
     Stream,
     decode_lines,
     decode_window,

@@ -410,12 +410,3 @@ def wait_gpu_free(gpu: Callable[[], float | None], limit_s: float = 60.0) -> Non
         time.sleep(2)
 
 
-# ---------------------------------------------------------------------------------------------------- progress
-class Progress:
-    """What the driver reports while it runs (the CLI draws it as a Rich bar)."""
-
-    def start(self, total: int) -> None: ...
-
-    def describe(self, text: str) -> None: ...
-
-    def advance(self) -> None: ...

@@ -45,3 +45,26 @@ def step_progress(description: str):
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+@contextlib.contextmanager
+def task_progress(description: str, quiet: bool = False):
+    """A bar driven by a library :class:`oscar_cli.progress.Progress` (``start``/``describe``/``advance``); yields it.
+    ``quiet`` hides the bar (``--json`` keeps stderr for errors only)."""
+    from ..progress import Progress as Reporter
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=quiet) as bar:
+        task = bar.add_task(description, total=None)
+
+        class Bar(Reporter):
+            def start(self, total: int) -> None:
+                bar.update(task, total=total)
+
+            def describe(self, text: str) -> None:
+                bar.update(task, description=text)
+
+            def advance(self) -> None:
+                bar.advance(task)
+
+        yield Bar()

@@ -162,24 +162,10 @@ def _bench_errors(fn, *args, **kwargs):
 
 
 def _run(d, cfg, quiet: bool) -> list[dict]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from ._progress import task_progress
 
-    class Bar(d.Progress):
-        def __init__(self, progress):
-            self.p, self.task = progress, progress.add_task("oscar bench", total=None)
-
-        def start(self, total):
-            self.p.update(self.task, total=total)
-
-        def describe(self, text):
-            self.p.update(self.task, description=text)
-
-        def advance(self):
-            self.p.advance(self.task)
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=quiet) as progress:
-        return d.run(cfg, Bar(progress))
+    with task_progress("oscar bench", quiet) as bar:
+        return d.run(cfg, bar)
 
 
 def _render(d, records: list[dict], json_out: bool, results_md: Path | None, plot: Path | None) -> None:

@@ -127,27 +127,11 @@ def eval_cmd(
 
 
 def _run(cfg, store: Path, quiet: bool):
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from .. import evaluate as ev
+    from ._progress import task_progress
 
-    class Bar(ev.Progress):
-        def __init__(self, progress):
-            self.p, self.task = progress, progress.add_task("evaluating", total=None)
-
-        def start(self, total):
-            self.p.update(self.task, total=total)
-
-        def describe(self, text):
-            self.p.update(self.task, description=text)
-
-        def advance(self):
-            self.p.advance(self.task)
-
-    with ev.quiet_stdout(), Progress(TextColumn("{task.description}"), BarColumn(),
-                                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                     console=console, disable=quiet) as progress:
-        return ev.run_eval(cfg, store, Bar(progress))
+    with ev.quiet_stdout(), task_progress("evaluating", quiet) as bar:
+        return ev.run_eval(cfg, store, bar)
 
 
 def _render(rows: list[dict], json_out: bool, csv: Path | None) -> None:
