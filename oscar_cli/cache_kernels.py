@@ -71,6 +71,7 @@ class KernelState:
         self.batch = 0
         self.start: torch.Tensor | None = None
         self.req_to_token: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
         self.planned: tuple[int, int] | None = None  # (cached before the step, new tokens)
         self.decode_plan = self.extend_plan = None
         self.scaling: float | None = None
@@ -99,6 +100,7 @@ class KernelState:
                 b.v_bf16.copy_(a.v_bf16)
         self.pool, self.capacity, self.batch = pool, capacity, batch
         self.req_to_token = torch.arange(batch * capacity, dtype=torch.int32, device=device).view(batch, capacity)
+        self.rows = torch.arange(batch, dtype=torch.int32, device=device)  # request of each batch row: itself
         self.decode_plan = self.extend_plan = None
 
     def _ensure(self, batch: int, n: int, device) -> None:
@@ -115,14 +117,13 @@ class KernelState:
 
         b = self.batch
         self._ensure(b, n0 + m, device)
-        req = torch.arange(b, dtype=torch.int32, device=device)
         if m == 1:
             if self.decode_plan is None:
                 self.decode_plan = DecodePlan(self.pool, b, self.capacity, q_heads=self.q_heads,
                                               sm_scale=self.scaling)
             seq = torch.full((b,), n0 + 1, dtype=torch.int32, device=device)
             loc = self.req_to_token[:, n0]
-            self.decode_plan.plan(self.req_to_token, req, seq, loc, start=self.start, max_seq_len=n0 + 1)
+            self.decode_plan.plan(self.req_to_token, self.rows, seq, loc, start=self.start, max_seq_len=n0 + 1)
         else:
             if self.extend_plan is None or self.extend_plan.max_tokens < b * m:
                 self.extend_plan = ExtendPlan(self.pool, b, max(b * m, b * MIN_CAPACITY), self.capacity,
@@ -130,7 +131,7 @@ class KernelState:
             prefix = torch.full((b,), n0, dtype=torch.int32, device=device)
             ext = torch.full((b,), m, dtype=torch.int32, device=device)
             loc = self.req_to_token[:, n0:n0 + m].reshape(-1)
-            self.extend_plan.plan(self.req_to_token, req, prefix, ext, loc, start=self.start, max_extend_len=m,
+            self.extend_plan.plan(self.req_to_token, self.rows, prefix, ext, loc, start=self.start, max_extend_len=m,
                                   max_seq_len=n0 + m)
         self.planned = (n0, m)
 

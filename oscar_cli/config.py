@@ -291,9 +291,8 @@ def _eval_config(ev: dict[str, Any], model: str, where: str) -> EvalConfig:
         kw["methods"] = _tuple(ev["methods"], f"{where}.methods", lambda x: str(x).strip())
     if "seq_lengths" in ev:
         kw["seq_lengths"] = _tuple(ev["seq_lengths"], f"{where}.seq_lengths", int)
-    for k in ("limit",):
-        if k in ev:
-            kw[k] = None if ev[k] is None else int(ev[k])
+    if "limit" in ev:
+        kw["limit"] = None if ev["limit"] is None else int(ev["limit"])
     if "artifact" in ev:
         kw["artifact"] = str(ev["artifact"])
     if "decode" in ev:

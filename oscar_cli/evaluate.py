@@ -428,6 +428,37 @@ def reference_windows(artifacts: dict, overrides: dict[str, int]) -> QuantScheme
     return QuantScheme()
 
 
+def _ppl_text(cfg: EvalConfig, tokenizer) -> torch.Tensor | None:
+    """Token ids of the ``oscar_ppl`` text (``--data`` or the built-in held-out half), or None without that task."""
+    if PPL_TASK not in expand_tasks(cfg.tasks):
+        return None
+    from .data import heldout_text, read_text_file
+
+    return token_ids(tokenizer, read_text_file(cfg.data) if cfg.data is not None else heldout_text())
+
+
+def _ppl_steps(cfg: EvalConfig, text_ids: torch.Tensor | None) -> int:
+    """Perplexity windows one method evaluates (progress units)."""
+    if text_ids is None:
+        return 0
+    return sum(min(cfg.limit or DEFAULT_PPL_WINDOWS, text_ids.numel() // n) for n in cfg.seq_lengths)
+
+
+def _lm_rows(res: dict, base: dict, run_cfg: dict, seq_lengths, bits: Callable[[int], float | None]) -> list[EvalRow]:
+    """:func:`run_lm_eval` results -> rows (RULER's metric names are its lengths; ``-1`` marks a length not run)."""
+    rows = []
+    for task, metrics in res.items():
+        samples = metrics.pop("sample_len", None)
+        for metric, value in metrics.items():
+            if value == -1.0:
+                continue  # RULER's placeholder for lengths that were not run
+            n = int(metric) if metric.isdigit() else max(seq_lengths)
+            rows.append(EvalRow(**base, task=task.removeprefix("oscar_ruler_"), metric=metric, value=value,
+                                config=dict(run_cfg, seq_len=n, seq_lengths=list(seq_lengths), samples=samples),
+                                bits_per_element=bits(n)))
+    return rows
+
+
 def run_eval(cfg: EvalConfig, store: Path, progress: Progress | None = None) -> EvalResult:
     """Evaluate every method of ``cfg`` on its tasks; rows go to the store's ``evals`` table as each method finishes
     (an interrupted run keeps every finished method). Returns the rows and the threshold misses. With
@@ -442,10 +473,9 @@ def run_eval(cfg: EvalConfig, store: Path, progress: Progress | None = None) -> 
     methods = parse_methods(cfg.methods)
     row_tasks = expand_tasks(cfg.tasks)
     lm_tasks = lm_task_names([t for t in row_tasks if t != PPL_TASK])
-    do_ppl = PPL_TASK in row_tasks
     if cfg.data is not None and not Path(cfg.data).is_file():
         raise EvalError(f"--data {cfg.data} is not a file; pass a UTF-8 text file")
-    if any(m.cache_only for m in methods) and do_ppl and max(cfg.seq_lengths) > 2048:
+    if any(m.cache_only for m in methods) and PPL_TASK in row_tasks and max(cfg.seq_lengths) > 2048:
         raise EvalError("hf-* peers decode token by token for oscar_ppl; use --seq-lengths of at most 2048")
 
     cuda = torch.cuda.is_available()
@@ -466,17 +496,10 @@ def run_eval(cfg: EvalConfig, store: Path, progress: Progress | None = None) -> 
         scheme = scheme_for(m, head_dim, artifact_scheme=art.scheme if art else None, windows=windows,
                             overrides=overrides, artifact_name=art.name if art else "")
         plan.append((m, art, scheme))
-    text_ids = None
-    if do_ppl:
-        from .data import heldout_text, read_text_file
-
-        text = read_text_file(cfg.data) if cfg.data is not None else heldout_text()
-        text_ids = token_ids(loaded.tokenizer, text)
-
+    text_ids = _ppl_text(cfg, loaded.tokenizer)
     version = lm_eval_version()
     per_len = cfg.limit or DEFAULT_PPL_WINDOWS
-    n_ppl = sum(min(per_len, text_ids.numel() // n) for n in cfg.seq_lengths) if text_ids is not None else 0
-    progress.start(len(methods) * (n_ppl + (1 if lm_tasks else 0)))
+    progress.start(len(methods) * (_ppl_steps(cfg, text_ids) + (1 if lm_tasks else 0)))
     result = EvalResult()
     for m, art, scheme in plan:
         rows: list[EvalRow] = []
@@ -505,16 +528,8 @@ def run_eval(cfg: EvalConfig, store: Path, progress: Progress | None = None) -> 
                                   windows=windows, batch_size=1, max_length=max(cfg.seq_lengths) + 256,
                                   **overrides)
             res = run_lm_eval(lm, lm_tasks, cfg.limit, {"tokenizer": tok_name, "max_seq_lengths": list(cfg.seq_lengths)})
-            for task, metrics in res.items():
-                samples = metrics.pop("sample_len", None)
-                for metric, value in metrics.items():
-                    if value == -1.0:
-                        continue  # RULER's placeholder for lengths that were not run
-                    n = int(metric) if metric.isdigit() else max(cfg.seq_lengths)
-                    rows.append(EvalRow(**base, task=task.removeprefix("oscar_ruler_"), metric=metric, value=value,
-                                        config=dict(run_cfg, seq_len=n, seq_lengths=list(cfg.seq_lengths),
-                                                    samples=samples),
-                                        bits_per_element=element_bits(prep, loaded.model, n)))
+            rows += _lm_rows(res, base, run_cfg, cfg.seq_lengths,
+                             lambda n, prep=prep: element_bits(prep, loaded.model, n))
             progress.advance()
         st.record_evals([r.to_dict() for r in rows])  # per method: an interrupted run keeps every finished method
         result.rows.extend(rows)
@@ -614,14 +629,9 @@ def run_eval_server(cfg: EvalConfig, store: Path, progress: Progress | None = No
     tok = AutoTokenizer.from_pretrained(tok_path)
     row_tasks = expand_tasks(cfg.tasks)
     lm_tasks = lm_task_names([t for t in row_tasks if t != PPL_TASK])
-    text_ids = None
-    if PPL_TASK in row_tasks:
-        from .data import heldout_text, read_text_file
-
-        text_ids = token_ids(tok, read_text_file(cfg.data) if cfg.data is not None else heldout_text())
+    text_ids = _ppl_text(cfg, tok)
     per_len = cfg.limit or DEFAULT_PPL_WINDOWS
-    n_ppl = sum(min(per_len, text_ids.numel() // n) for n in cfg.seq_lengths) if text_ids is not None else 0
-    progress.start(n_ppl + (1 if lm_tasks else 0))
+    progress.start(_ppl_steps(cfg, text_ids) + (1 if lm_tasks else 0))
     label = info.method
     base = dict(model_fingerprint="", model_slug=slug, method=label, artifact=info.artifact,
                 lm_eval_version=lm_eval_version())
@@ -644,15 +654,7 @@ def run_eval_server(cfg: EvalConfig, store: Path, progress: Progress | None = No
         TOKENIZERS[tok_path] = tok
         lm = server_lm(info, tok_path, max(cfg.seq_lengths) + 256)
         res = run_lm_eval(lm, lm_tasks, cfg.limit, {"tokenizer": tok_path, "max_seq_lengths": list(cfg.seq_lengths)})
-        for task, metrics in res.items():
-            samples = metrics.pop("sample_len", None)
-            for metric, value in metrics.items():
-                if value == -1.0:
-                    continue
-                n = int(metric) if metric.isdigit() else max(cfg.seq_lengths)
-                rows.append(EvalRow(**base, task=task.removeprefix("oscar_ruler_"), metric=metric, value=value,
-                                    config=dict(run_cfg, seq_len=n, seq_lengths=list(cfg.seq_lengths),
-                                                samples=samples), bits_per_element=bits))
+        rows += _lm_rows(res, base, run_cfg, cfg.seq_lengths, lambda n: bits)
         progress.advance()
     Store(store).record_evals([r.to_dict() for r in rows])
     return EvalResult(rows, check_thresholds(rows, cfg.thresholds))

@@ -155,7 +155,8 @@ def scheme_for(method: Method, head_dim: int, *, artifact_scheme: QuantScheme | 
             raise MethodError(f"{method.label} needs an artifact: pass --artifact latest|vN|PATH or "
                               f"{method.name}@REF")
         base = artifact_scheme
-        why = f"artifact {artifact_name or method.arg or ''} was fitted at {base.bits} bits".replace("  ", " ")
+        name = artifact_name or method.arg
+        why = f"artifact {name} was fitted at {base.bits} bits" if name else f"its artifact was fitted at {base.bits} bits"
         fix = f"refit with `oscar fit --bits {overrides.get('bits')}` or drop --bits"
     else:
         base = QuantScheme(bits=method.bits, group=method.group, sink=windows.sink, recent=windows.recent)
