@@ -37,6 +37,19 @@ def outliers(d: int, gen: torch.Generator, scale: float = 4.0) -> torch.Tensor:
     return 1.0 + scale * (torch.rand(d, generator=gen) > 0.9).float()
 
 
+def poison_kv_pool(pool, gen: torch.Generator) -> None:
+    """Every layer of an ``Int2KVPool``: random code bytes, NaN scales/zeros and exact rows (anything a kernel
+    should have written and did not stays NaN)."""
+    for i in range(pool.num_layers):
+        c = pool.layer(i)
+        for p in (c.k, c.v):
+            p.codes.copy_(torch.randint(0, 256, p.codes.shape, generator=gen, dtype=torch.uint8))
+            p.scale.fill_(float("nan"))
+            p.zero.fill_(float("nan"))
+        c.k_bf16.fill_(float("nan"))
+        c.v_bf16.fill_(float("nan"))
+
+
 def poisoned_pool(slots: int, hkv: int, d: int, g: int, gen: torch.Generator, head_major: bool = True) -> Int2Pool:
     """Random codes, NaN scales/zeros: a slot nobody wrote poisons any attention that reads it."""
     pool = Int2Pool.empty(slots, hkv, d, g, device=DEVICE) if head_major else Int2Pool(

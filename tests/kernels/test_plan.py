@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from int2_cache import DEVICE, ON_GPU, History, design_p_ref, random_rotation, rel_err
+from int2_cache import DEVICE, ON_GPU, History, design_p_ref, outliers, poison_kv_pool, random_rotation, rel_err
 from oscar_kernels import DecodePlan, ExtendPlan, Int2KVPool, exact_row_ref
 from oscar_kernels.plan import plan_lists_ref
 from oscar_kernels.scheme import QuantScheme
@@ -31,16 +31,10 @@ class Engine:
         clip_v = 0.6 + 0.4 * torch.rand(1, hkv, generator=gen)
         slots = reqs * max_ctx + 9
         self.pool = Int2KVPool(scheme, 1, hkv, d, slots, reqs, rot_k, rot_v, clip_k, clip_v, device=DEVICE)
-        c = self.pool.layer(0)
-        for p in (c.k, c.v):
-            p.codes.copy_(torch.randint(0, 256, p.codes.shape, generator=gen, dtype=torch.uint8))
-            p.scale.fill_(float("nan"))
-            p.zero.fill_(float("nan"))
-        c.k_bf16.fill_(float("nan"))
-        c.v_bf16.fill_(float("nan"))
+        poison_kv_pool(self.pool, gen)
         perm = torch.randperm(slots, generator=gen)[: reqs * max_ctx]
         self.req_to_token = perm.view(reqs, max_ctx).to(DEVICE, torch.int32)
-        outlier = 1.0 + 4.0 * (torch.rand(d, generator=gen) > 0.9).float()
+        outlier = outliers(d, gen)
         self.k = (torch.randn(reqs, max_ctx, hkv, d, generator=gen) * outlier).to(DEVICE, torch.bfloat16)
         self.v = torch.randn(reqs, max_ctx, hkv, d, generator=gen).to(DEVICE, torch.bfloat16)
         self.q = (torch.randn(reqs, max_ctx, self.hq, d, generator=gen) * 2).to(DEVICE, torch.bfloat16)

@@ -3,7 +3,7 @@ exact-only writes, the row map, per-layer LayerCaches, byte accounting, refused 
 
 import pytest
 import torch
-from int2_cache import DEVICE, random_rotation
+from int2_cache import DEVICE, poison_kv_pool, random_rotation
 from oscar_kernels import Int2KVPool, Int2Pool, exact_row_ref, quantize_pack_ref
 from oscar_kernels.scheme import QuantScheme, SchemeError
 
@@ -17,14 +17,7 @@ def _pool(scheme=None, slots=40, reqs=3, shared_rot=False, gen=None, clip_k=None
     rot_k = torch.stack([random_rotation(h, D, gen) for _ in range(L)])
     rot_v = torch.stack([random_rotation(h, D, gen) for _ in range(L)])
     pool = Int2KVPool(scheme, L, HKV, D, slots, reqs, rot_k, rot_v, clip_k, clip_v, device=DEVICE)
-    for i in range(L):  # poison: anything not written stays NaN
-        c = pool.layer(i)
-        for p in (c.k, c.v):
-            p.codes.copy_(torch.randint(0, 256, p.codes.shape, generator=gen, dtype=torch.uint8))
-            p.scale.fill_(float("nan"))
-            p.zero.fill_(float("nan"))
-        c.k_bf16.fill_(float("nan"))
-        c.v_bf16.fill_(float("nan"))
+    poison_kv_pool(pool, gen)  # anything not written stays NaN
     return pool
 
 
