@@ -1,7 +1,7 @@
 """Decode time per token of a transformers model through ``OscarCache`` (kernel backend) vs ``DynamicCache`` BF16.
 
 Usage: python benchmarks/bench_cache.py [--model smollm2-135m] [--store .oscar] [--artifact PATH] [--contexts 1024,8192]
-       [--steps 64] [--commit SHA] [--results benchmarks/RESULTS.md]
+       [--steps 64] [--random-weights] [--commit SHA] [--results benchmarks/RESULTS.md]
 
 For each context length: a random prompt of that many tokens is prefilled once per cache, then ``--steps`` greedy
 decode steps are timed one by one (``torch.cuda.synchronize`` around each ``model(...)`` call); the table shows the
@@ -9,6 +9,10 @@ median ms per token of both caches, their ratio, and the caches' bytes. OscarCac
 (``--artifact``; without one, the data-free ``int2-hadamard`` at the default scheme) on the kernel backend
 (``DecodePlan``/``ExtendPlan`` over an ``Int2KVPool``). Both caches see the same model, prompt and steps in the same
 run. Appends the table to RESULTS.md with date, device, commit and command. Needs CUDA.
+
+``--random-weights``: ``--model`` is a model folder whose ``config.json`` (and tokenizer, fingerprint file) is all
+that is read; the weights are random (time per token does not depend on their values), so a machine that cannot
+receive the checkpoint still measures the speed of that architecture. The table says so.
 """
 
 from __future__ import annotations
@@ -41,6 +45,23 @@ def time_decode(model, cache, prompt: torch.Tensor, steps: int, kw: str) -> tupl
     return statistics.median(ms[steps // 8:]), steps  # the first steps warm the launch caches
 
 
+def random_model(folder: Path):
+    """The model of ``folder/config.json`` with random bf16 weights on CUDA, with the folder's fingerprint."""
+    import json
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from oscar_cli.models import FINGERPRINT_FILE, fingerprint
+
+    cfg = AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    meta = folder / FINGERPRINT_FILE
+    fp = json.loads(meta.read_text())["fingerprint"] if meta.is_file() else fingerprint(model)
+    return SimpleNamespace(model=model, fingerprint=fp, slug=folder.name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -48,6 +69,8 @@ def main() -> None:
     ap.add_argument("--artifact", type=Path, default=None)
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--random-weights", action="store_true",
+                    help="--model is a folder: its config.json with random weights (speed only)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
     args = ap.parse_args()
@@ -61,7 +84,8 @@ def main() -> None:
     from oscar_cli.methods import get_method, scheme_for
     from oscar_cli.models import load_model
 
-    loaded = load_model(args.model, args.store, dtype=torch.bfloat16, device="cuda")
+    loaded = random_model(Path(args.model)) if args.random_weights else load_model(
+        args.model, args.store, dtype=torch.bfloat16, device="cuda")
     model, cfg = loaded.model, loaded.model.config
     art = load_artifact(args.artifact, loaded.fingerprint) if args.artifact else None
     method = get_method("oscar" if art else "int2-hadamard")
@@ -92,7 +116,7 @@ def main() -> None:
     with open(args.results, "a") as f:
         f.write(f"\n## OscarCache decode vs DynamicCache BF16: {datetime.date.today()}, measured on "
                 f"{torch.cuda.get_device_name()}, commit {args.commit or code_version()}\n\nCommand: `{cmd}`. "
-                f"{loaded.slug} in bf16, batch 1, random prompt of each length prefilled once, median of the last "
+                f"{loaded.slug} in bf16{' (random weights of its config)' if args.random_weights else ''}, batch 1, random prompt of each length prefilled once, median of the last "
                 f"{args.steps - args.steps // 8} of {args.steps} greedy decode steps (synchronised wall time per "
                 f"`model(...)` call); OscarCache on the kernel backend with {what}; OscarCache MB is the pool as "
                 f"allocated (per-row capacity doubles).\n\n{table}\n")
