@@ -409,6 +409,17 @@ def _decode_rows_kernel(
 
 
 @triton.jit
+def dot_nt(a, b):
+    """``a [M, K] . b [N, K]^T`` -> [M, N] fp32. Tensor-core ``tl.dot`` needs K >= 16; the quarters of head dims
+    under 64 (K = d/4 < 16) multiply and sum on the CUDA cores instead."""
+    if a.shape[1] >= 16:
+        out = tl.dot(a, tl.trans(b))
+    else:
+        out = tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
+    return out
+
+
+@triton.jit
 def softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3, v0, v1, v2, v3, PV_T: tl.constexpr):
     """One online-softmax step: scores ``s`` [M, N] (base 2, -inf = masked), value quarters ``v*`` [N, d/4] in the
     bit-plane order of the general path. Shared by the general path's exact split and every list of
@@ -434,10 +445,10 @@ def exact_tile(q0, q1, q2, q3, K, V, rows, mask_n, stride_ks, stride_kh, stride_
     mn = mask_n[:, None]
     k_rows = K + rows[:, None] * stride_ks + kvh * stride_kh
     v_rows = V + rows[:, None] * stride_vs + kvh * stride_vh
-    s = tl.dot(q0, tl.trans(tl.load(k_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
-    s += tl.dot(q1, tl.trans(tl.load(k_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
-    s += tl.dot(q2, tl.trans(tl.load(k_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
-    s += tl.dot(q3, tl.trans(tl.load(k_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0).to(QK_T)))
+    s = dot_nt(q0, tl.load(k_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0).to(QK_T))
+    s += dot_nt(q1, tl.load(k_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0).to(QK_T))
+    s += dot_nt(q2, tl.load(k_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0).to(QK_T))
+    s += dot_nt(q3, tl.load(k_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0).to(QK_T))
     v0 = tl.load(v_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0)
     v1 = tl.load(v_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0)
     v2 = tl.load(v_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0)
@@ -520,20 +531,20 @@ def _decode_int2_kernel(
                         k1 = ((kc >> 2) & 3).to(QK_T)
                         k2 = ((kc >> 4) & 3).to(QK_T)
                         k3 = (kc >> 6).to(QK_T)
-                    qc = tl.dot(q0, tl.trans(k0))
-                    qc += tl.dot(q1, tl.trans(k1))
-                    qc += tl.dot(q2, tl.trans(k2))
-                    qc += tl.dot(q3, tl.trans(k3))
+                    qc = dot_nt(q0, k0)
+                    qc += dot_nt(q1, k1)
+                    qc += dot_nt(q2, k2)
+                    qc += dot_nt(q3, k3)
                     s = qc * ks[None, :] + qsum[:, None] * kz[None, :]
                 else:
                     ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :],
                                  mask=mask_n[:, None], other=0.0).to(tl.float32)
                     kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :],
                                  mask=mask_n[:, None], other=0.0).to(tl.float32)
-                    s = tl.dot(q0, tl.trans(((kc & 3).to(tl.float32) * ks + kz).to(QK_T)))
-                    s += tl.dot(q1, tl.trans((((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T)))
-                    s += tl.dot(q2, tl.trans((((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T)))
-                    s += tl.dot(q3, tl.trans(((kc >> 6).to(tl.float32) * ks + kz).to(QK_T)))
+                    s = dot_nt(q0, ((kc & 3).to(tl.float32) * ks + kz).to(QK_T))
+                    s += dot_nt(q1, (((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T))
+                    s += dot_nt(q2, (((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T))
+                    s += dot_nt(q3, ((kc >> 6).to(tl.float32) * ks + kz).to(QK_T))
                 s = tl.where(mask_n[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.exp2(m_i - m_new)

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_int2 import exact_tile, softmax_step
+from .decode_int2 import dot_nt, exact_tile, softmax_step
 from .layout import LayerCache, _interpreting, check_index, check_query, check_seq, dequantize_ref
 
 DEFAULT_BLOCK_M = 64
@@ -180,10 +180,10 @@ def _extend_int2_kernel(
             kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :], mask=mn, other=0.0)
             ks = ks.to(tl.float32)
             kz = kz.to(tl.float32)
-            s = tl.dot(q0, tl.trans(((kc & 3).to(tl.float32) * ks + kz).to(QK_T)))
-            s += tl.dot(q1, tl.trans((((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T)))
-            s += tl.dot(q2, tl.trans((((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T)))
-            s += tl.dot(q3, tl.trans(((kc >> 6).to(tl.float32) * ks + kz).to(QK_T)))
+            s = dot_nt(q0, ((kc & 3).to(tl.float32) * ks + kz).to(QK_T))
+            s += dot_nt(q1, (((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T))
+            s += dot_nt(q2, (((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T))
+            s += dot_nt(q3, ((kc >> 6).to(tl.float32) * ks + kz).to(QK_T))
             use = mask_n[None, :] & ((sink_end + offs_n)[None, :] <= t_win[:, None])
             s = tl.where(use, s, float("-inf"))
             vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])

@@ -25,6 +25,7 @@ the same attention (Design P windows) up to bf16 rounding of the exact rows.
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -207,6 +208,9 @@ class OscarCache(Cache):
         if backend == "kernels" and any(why.values()):
             i = next(i for i, w in why.items() if w)
             raise OscarError(f"the kernel cache backend cannot run layer {i}: {why[i]}; use backend='reference'")
+        if backend == "kernels" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise OscarError(f"the kernel cache backend runs on CUDA tensors and the model is on {dev}; move it to "
+                             "CUDA, use backend='reference', or set TRITON_INTERPRET=1 before triton loads")
         use_kernels = bool(why) and not any(why.values()) and (backend == "kernels" or
                                                                 (backend == "auto" and dev.type == "cuda"))
         self.kernel_state = KernelState({i: quants[i] for i in why}, scheme, cfg) if use_kernels else None

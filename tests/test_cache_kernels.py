@@ -1,5 +1,6 @@
 """OscarCache's kernel backend (the Triton plan/run kernels on an Int2KVPool; the interpreter on CPU) against the
-torch reference backend: prefill, chunked prefill and decode steps, left padding, per-head clips, pool growth."""
+torch reference backend: prefill, chunked prefill and decode steps, left padding, per-head clips, pool growth.
+On a GPU machine the models run on CUDA (the kernels compiled for the device)."""
 
 import pytest
 import torch
@@ -12,10 +13,11 @@ from oscar_cli.kvquant import LayerQuant, build_layer_quants
 from oscar_cli.methods import get_method, scheme_for
 
 D = 32
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def tiny():
-    return build_llama(head_dim=D, pad_token_id=0)
+def tiny(device=DEV):
+    return build_llama(head_dim=D, pad_token_id=0).to(device)
 
 
 def per_head_quants(n_layers=2, h=2):
@@ -46,7 +48,7 @@ def steps(model, cache, x, mask, chunks, decode_steps):
             out.append(model(part, attention_mask=mask[:, :seen], **{kw: cache}, use_cache=True).logits)
         m = mask
         for t in range(decode_steps):
-            nxt = torch.full((x.shape[0], 1), 7 + t)
+            nxt = torch.full((x.shape[0], 1), 7 + t, device=x.device)
             m = torch.cat([m, torch.ones_like(nxt)], 1)
             out.append(model(nxt, attention_mask=m, **{kw: cache}, use_cache=True).logits)
     return torch.cat(out, 1)
@@ -65,13 +67,14 @@ def test_kernel_backend_matches_the_reference(kind, chunks):
     mask = torch.ones_like(x)
     mask[1, :5] = 0  # row 1 is left-padded
     x[1, :5] = 0
+    x, mask = x.to(DEV), mask.to(DEV)
     ref_cache = OscarCache(model, q, scheme, backend="reference")
     ref = steps(model, ref_cache, x, mask, chunks, 4)
     ker_cache = OscarCache(model, q, scheme, backend="kernels")
     got = steps(model, ker_cache, x, mask, chunks, 4)
     assert ker_cache.backend == "kernels" and ref_cache.backend == "reference"
     assert torch.isfinite(got).all()
-    real = torch.ones(2, got.shape[1], dtype=torch.bool)
+    real = torch.ones(2, got.shape[1], dtype=torch.bool, device=got.device)
     real[1, :5] = False  # pad positions' outputs are undefined in both
     assert rel(got[real], ref[real]) < 2e-2
     assert not torch.equal(got, ref)  # really a different code path (bf16 exact rows)
@@ -87,7 +90,7 @@ def test_pool_grows_and_generate_runs_through_the_kernels(monkeypatch):
     model = tiny()
     scheme = QuantScheme(sink=2, recent=4)
     q = per_head_quants()
-    x = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+    x = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(3)).to(DEV)
     kw = cache_kwarg(model)
     with torch.no_grad():
         ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False,
@@ -99,10 +102,14 @@ def test_pool_grows_and_generate_runs_through_the_kernels(monkeypatch):
     assert cache.nbytes() == cache.kernel_state.pool.nbytes
 
 
-def test_backend_choice_and_refusals():
-    model = tiny()
+def test_backend_choice_and_refusals(monkeypatch):
+    model = tiny("cpu")
     scheme = QuantScheme(sink=2, recent=4)
     assert OscarCache(model, per_head_quants(), scheme).backend == "reference"  # auto on CPU
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(OscarError, match="runs on CUDA tensors and the model is on cpu"):
+        OscarCache(model, per_head_quants(), scheme, backend="kernels")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     kivi = quants_for("int2-kivi", scheme)
     with pytest.raises(OscarError, match="layer 0: per-channel"):
         OscarCache(model, kivi, scheme, backend="kernels")

@@ -22,8 +22,10 @@ def _check(case, got, **kw):
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got[real].float(), ref[real], **TOL)
     assert rel_err(got[real], ref[real]) <= MAX_REL
-    # the reference itself is Design P over the un-rotated history (only fp32 summation order differs)
-    torch.testing.assert_close(ref[real], design_p_case_ref(case, kw.get("sm_scale"))[real], atol=1e-5, rtol=1e-5)
+    # the reference itself is Design P over the un-rotated history (only fp32 summation order differs: on a GPU the
+    # 4k-key rows of the real sizes, on CPU the small ones)
+    torch.testing.assert_close(ref[real], design_p_case_ref(case, kw.get("sm_scale"))[real],
+                               **(dict(atol=1e-4, rtol=1e-4) if ON_GPU else dict(atol=1e-5, rtol=1e-5)))
 
 
 # every GQA ratio, head dim and group at least twice, each (d, group) pair once or more (interpreter time)

@@ -112,10 +112,10 @@ def test_int2_pool_is_head_major():
     assert pool.words is not None and pool.words.shape == (10, 3, 16) and pool.words.dtype == torch.int16
     assert (pool.slots, pool.kv_heads, pool.head_dim, pool.group_size) == (10, 3, 128, 32)
     assert pool.nbytes == 10 * 3 * (32 + 2 * 2 * 4)
-    codes = torch.arange(10 * 3 * 32, dtype=torch.int64).to(torch.uint8).view(10, 3, 32)
+    codes = torch.arange(10 * 3 * 32, dtype=torch.int64).to(torch.uint8).view(10, 3, 32).to(DEVICE)
     pool.codes.copy_(codes)
-    assert torch.equal(dequantize_ref(pool.codes, torch.ones(10, 3, 4, dtype=torch.float16),
-                                      torch.zeros(10, 3, 4, dtype=torch.float16), 32),
+    assert torch.equal(dequantize_ref(pool.codes, torch.ones(10, 3, 4, dtype=torch.float16, device=DEVICE),
+                                      torch.zeros(10, 3, 4, dtype=torch.float16, device=DEVICE), 32),
                        unpack(codes, 2, 32).float())
 
 
