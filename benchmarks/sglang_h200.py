@@ -2,14 +2,18 @@
 
 Steps (each appends its table to ``benchmarks/RESULTS.md`` with date, device, commit and command):
 
-* ``outputs``: greedy completions (96 tokens, EOS ignored) of several held-out prompts from SGLang with the OSCAR
+* ``serve``: one server start per backend (oscar, then the triton BF16 control) for both of
+
+  - greedy completions (96 tokens, EOS ignored) of several held-out prompts from SGLang with the OSCAR
   backend against the project's own path (``TransformersEngine``: transformers + ``OscarCache`` + the fused
   kernels) on the same model and artifact; as the control of what two engines' BF16 numerics alone do, SGLang with
   its triton backend against the same engine without an artifact. Reported: tokens until the first difference and
-  the fraction of equal tokens, per prompt.
-* ``prefix``: a 2,048-token shared prefix. One request alone warms it, then 8 requests sharing it run together
-  (``cached_tokens`` must be > 0, the anchored prefix), then each again alone after ``/flush_cache``
-  (``cached_tokens`` 0). Reported: cached tokens and whether the completions agree.
+  the fraction of equal tokens, per prompt;
+  - a 2,048-token shared prefix (:func:`prefix_protocol`): one request alone warms it, then 8 requests sharing it
+  run together (``cached_tokens`` must be > 0, the anchored prefix), each again alone on the warm cache (a hit at
+  batch 1), and each alone after ``/flush_cache`` (``cached_tokens`` 0). Reported: cached tokens and where the
+  completions first differ from the cold one; warm-alone vs cold isolates prefix reuse from batching, and the
+  triton rows show what batching alone does to greedy bf16 outputs.
 * ``capacity``: ``max_total_num_tokens`` SGLang reports for a Qwen3-8B-shaped model (random weights,
   ``--load-format dummy``) with the OSCAR backend against triton BF16 at the same ``--mem-fraction-static``.
 
@@ -194,59 +198,75 @@ def make_prompts(model: Path, work: Path) -> tuple[Path, list[list[int]], list[i
 
 
 # ---------------------------------------------------------------------------------------------------- steps
-def step_outputs(args, work: Path) -> str:
-    path, prompts, _, _ = make_prompts(args.model, work)
-    got = {}
+def prefix_protocol(srv: Server, reqs: list[list[int]]) -> dict:
+    """The shared-prefix runs on one server: a warm-up request alone (caches the prefix), the requests together
+    (all hit it), each alone again with the cache as it is (a hit, batch 1), and each alone after ``/flush_cache``
+    (no hit, batch 1). Comparing the last two isolates prefix reuse from batching; together vs alone-uncached
+    shows both, and the triton BF16 control shows what batching alone does to greedy bf16 outputs."""
+    srv.call("/flush_cache", {})
+    warm = srv.generate(reqs[0])
+    together: list[dict | None] = [None] * len(reqs)
+
+    def one(i):
+        together[i] = srv.generate(reqs[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    hit = [srv.generate(r) for r in reqs]
+    cold = []
+    for r in reqs:
+        srv.call("/flush_cache", {})
+        cold.append(srv.generate(r))
+    return dict(warm=warm, together=together, hit=hit, cold=cold)
+
+
+def prefix_rows(backend: str, runs: dict, reqs: list[list[int]]) -> list[str]:
+    cached = lambda r: r["meta_info"]["cached_tokens"]  # noqa: E731
+    rows = []
+    for i, r in enumerate(reqs):
+        tog = agreement(runs["together"][i]["output_ids"], runs["cold"][i]["output_ids"])
+        hit = agreement(runs["hit"][i]["output_ids"], runs["cold"][i]["output_ids"])
+        rows.append(f"| {backend} | {i} | {len(r)} | {cached(runs['together'][i])} | {tog[0]} / {tog[1]:.0%} | "
+                    f"{cached(runs['hit'][i])} | {hit[0]} / {hit[1]:.0%} | {cached(runs['cold'][i])} |")
+    return rows
+
+
+def step_serve(args, work: Path) -> str:
+    """Greedy outputs and the shared-prefix runs, one server start per backend (oscar, then the triton control)."""
+    path, prompts, prefix, suffixes = make_prompts(args.model, work)
+    reqs = [prefix + s for s in suffixes]
+    got, runs = {}, {}
     for backend, art in (("oscar", args.artifact), ("triton", None)):
         srv = start(backend, args.model, args.port, work, art)
         try:
             got[backend] = [srv.generate(p)["output_ids"] for p in prompts]
+            runs[backend] = prefix_protocol(srv, reqs)
         finally:
             srv.stop()
     got["oscar-cache"] = engine_outputs(args.model, args.store, args.artifact, path, work / "engine-oscar.json")
     got["bf16"] = engine_outputs(args.model, args.store, None, path, work / "engine-bf16.json")
-    rows = ["| prompt tokens | SGLang oscar vs OscarCache: first diff / equal | SGLang triton vs transformers bf16 |",
+    rows = [f"Greedy completions of {NEW_TOKENS} tokens (EOS ignored) of held-out prompts: SGLang with the oscar "
+            "backend against the project's transformers path with OscarCache (same model and artifact), and as the "
+            "control SGLang's triton BF16 backend against transformers BF16.", "",
+            "| prompt tokens | SGLang oscar vs OscarCache: first diff / equal | SGLang triton vs transformers bf16 |",
             "| --- | --- | --- |"]
     for i, p in enumerate(prompts):
         a = agreement(got["oscar"][i], got["oscar-cache"][i])
         b = agreement(got["triton"][i], got["bf16"][i])
         rows.append(f"| {len(p)} | {a[0]} / {a[1]:.0%} | {b[0]} / {b[1]:.0%} |")
-    return "\n".join(rows)
-
-
-def step_prefix(args, work: Path) -> str:
-    _, _, prefix, suffixes = make_prompts(args.model, work)
-    reqs = [prefix + s for s in suffixes]
-    srv = start("oscar", args.model, args.port, work, args.artifact)
-    try:
-        srv.call("/flush_cache", {})
-        warm = srv.generate(reqs[0])
-        together: list[dict | None] = [None] * SHARING
-
-        def one(i):
-            together[i] = srv.generate(reqs[i])
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(SHARING)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        alone = []
-        for r in reqs:
-            srv.call("/flush_cache", {})
-            alone.append(srv.generate(r))
-    finally:
-        srv.stop()
-    rows = [f"Warm-up request: cached_tokens {warm['meta_info']['cached_tokens']} (prompt {len(reqs[0])}).", "",
-            "| request | prompt | cached_tokens together | cached_tokens alone | first diff / equal |",
-            "| --- | --- | --- | --- | --- |"]
-    for i in range(SHARING):
-        first, same = agreement(together[i]["output_ids"], alone[i]["output_ids"])
-        rows.append(f"| {i} | {len(reqs[i])} | {together[i]['meta_info']['cached_tokens']} | "
-                    f"{alone[i]['meta_info']['cached_tokens']} | {first} / {same:.0%} |")
-    ok = all(t["meta_info"]["cached_tokens"] > 0 for t in together)
-    rows.append("")
-    rows.append(f"All {SHARING} shared requests reused the prefix: {'yes' if ok else 'NO'}.")
+    rows += ["", f"Shared {PREFIX_TOKENS}-token prefix, {SHARING} requests (prefix + a distinct 48-token suffix). "
+             "Each request's completion is compared with the same request alone on a flushed cache (cold): run "
+             "together (batch 8, prefix hit) and alone on the warm cache (batch 1, hit).", "",
+             "| backend | request | prompt | cached together | together vs cold: first diff / equal | cached alone "
+             "(warm) | warm alone vs cold: first diff / equal | cached cold |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for backend in runs:
+        rows += prefix_rows(backend, runs[backend], reqs)
+    ok = all(t["meta_info"]["cached_tokens"] > 0 for t in runs["oscar"]["together"])
+    rows += ["", f"All {SHARING} shared oscar requests reused the prefix: {'yes' if ok else 'NO'}."]
     return "\n".join(rows)
 
 
@@ -315,7 +335,7 @@ def append(title: str, body: str, args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("step", choices=["all", "outputs", "prefix", "capacity", "engine"])
+    p.add_argument("step", choices=["all", "serve", "capacity", "engine"])
     p.add_argument("--model", type=Path, required=True, help="converted model folder (with oscar_model.json)")
     p.add_argument("--artifact", type=Path, help="per-head artifact fitted for --model")
     p.add_argument("--store", type=Path, default=Path(".oscar"))
@@ -329,8 +349,7 @@ def main() -> None:
         run_engine(args)
         return
     args.work.mkdir(parents=True, exist_ok=True)
-    steps = {"outputs": ("greedy outputs vs OscarCache", step_outputs),
-             "prefix": ("shared 2k-token prefix", step_prefix),
+    steps = {"serve": ("greedy outputs vs OscarCache and a shared 2k-token prefix", step_serve),
              "capacity": ("KV capacity at Qwen3-8B shapes", step_capacity)}
     for name in (steps if args.step == "all" else [args.step]):
         title, fn = steps[name]
