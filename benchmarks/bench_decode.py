@@ -7,7 +7,7 @@ commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is
 ``Int2KVPool`` with 64 sinks and a 64-token recent window: ``ctx - 128`` INT2 tokens plus 128 exact rows, the shapes
 of the earlier tables (RESULTS.md, commits 529689a, dda96f4, dbd78bb). "INT2 µs" is ``DecodePlan.attend`` (the
 attention alone, comparable with those tables); "run µs" is ``DecodePlan.run`` (the new token's K/V written as INT2
-code + exact row by two ``quantize_pack`` launches, then the attention).
+code + exact row by one ``quantize_pack_kv`` launch for K and V, then the attention).
 """
 
 from __future__ import annotations

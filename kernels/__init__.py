@@ -21,7 +21,7 @@ _EXPORTS = {
                "exact_row_ref", "pack", "unpack"),
     "plan": ("DecodePlan", "ExtendPlan"),
     "pool": ("Int2KVPool",),
-    "quantize_pack": ("quantize_pack", "quantize_pack_ref"),
+    "quantize_pack": ("quantize_pack", "quantize_pack_kv", "quantize_pack_ref"),
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 
@@ -70,6 +70,7 @@ __all__ = [
     "extend_int2_ref",
     "pack",
     "quantize_pack",
+    "quantize_pack_kv",
     "quantize_pack_ref",
     "split_policy",
     "unpack",

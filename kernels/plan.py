@@ -283,7 +283,7 @@ class DecodePlan(_Plan):
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor | None = None) -> torch.Tensor:
-        """One layer of the planned step: write the new tokens (INT2 code + exact row, one launch each for K and V),
+        """One layer of the planned step: write the new tokens (INT2 code + exact row, one launch for K and V),
         then decode attention. q ``[B, Hq, d]``, k/v ``[B, Hkv, d]`` un-rotated; returns ``out`` ``[B, Hq, d]``."""
         if self.index is None:
             raise RuntimeError("call plan() before run()")

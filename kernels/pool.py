@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .layout import DEFAULT_CLIP_RATIO, Int2Pool, LayerCache, exact_row_ref
-from .quantize_pack import quantize_pack
+from .quantize_pack import quantize_pack_kv
 from .scheme import QuantScheme, SchemeError
 
 
@@ -118,7 +118,7 @@ class Int2KVPool:
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               bf16_loc: torch.Tensor | None = None,
               bf16_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Rotate, clip, quantize, pack and scatter new tokens: one ``quantize_pack`` launch for K, one for V.
+        """Rotate, clip, quantize, pack and scatter new tokens: one launch for K and V (``quantize_pack_kv``).
 
         Args:
             loc: int32/int64 ``[N]`` INT2 slot of each token.
@@ -131,20 +131,17 @@ class Int2KVPool:
         ko, vo = (c.k_bf16, c.v_bf16) if bf16_out is None else bf16_out
         if bf16_loc is None:
             ko = vo = None
-        g = self.group_size
-        quantize_pack(k, c.rot_k, c.clip_k, c.k.codes, c.k.scale, c.k.zero, loc, g, bf16_out=ko, bf16_loc=bf16_loc)
-        quantize_pack(v, c.rot_v, c.clip_v, c.v.codes, c.v.scale, c.v.zero, loc, g, bf16_out=vo, bf16_loc=bf16_loc)
+        quantize_pack_kv(k, v, c.rot_k, c.rot_v, c.clip_k, c.clip_v, (c.k.codes, c.k.scale, c.k.zero),
+                         (c.v.codes, c.v.scale, c.v.zero), loc, self.group_size,
+                         bf16_out=None if ko is None else (ko, vo), bf16_loc=bf16_loc)
 
     def write_exact(self, layer: int, bf16_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     rotated: bool = False) -> None:
         """Store exact rows only (no INT2 store): ``k``/``v`` ``[N, Hkv, d]`` (un-rotated, or rotated already with
         ``rotated``) at rows ``bf16_loc`` int32/int64 ``[N]`` (``-1``: skip)."""
         c = self._layers[layer]
-        g = self.group_size
-        quantize_pack(k, None if rotated else c.rot_k, None, None, None, None, None, g, bf16_out=c.k_bf16,
-                      bf16_loc=bf16_loc)
-        quantize_pack(v, None if rotated else c.rot_v, None, None, None, None, None, g, bf16_out=c.v_bf16,
-                      bf16_loc=bf16_loc)
+        quantize_pack_kv(k, v, None if rotated else c.rot_k, None if rotated else c.rot_v, None, None, None, None,
+                         None, self.group_size, bf16_out=(c.k_bf16, c.v_bf16), bf16_loc=bf16_loc)
 
     # ------------------------------------------------------------------------------------------------ bytes
     @property

@@ -65,7 +65,8 @@ def _to_bf16(x):
 
 
 @triton.jit
-def _quantize_pack_kernel(
+def _quantize_pack_rows(
+    pid_n, h,
     X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC,
     n_tokens, clip_ratio, scale_eps,
     stride_xn, stride_xh, stride_xd,
@@ -78,8 +79,7 @@ def _quantize_pack_kernel(
     ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
     STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    h = tl.program_id(1)
+    """Block ``pid_n`` of tokens, KV head ``h``, of one of K or V (the body of both kernels below)."""
     D4: tl.constexpr = HEAD_DIM // 4
     BQ: tl.constexpr = GROUP_SIZE // 4
     NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
@@ -150,6 +150,70 @@ def _quantize_pack_kernel(
                  tl.reshape(scale16, (BLOCK_N, NG)), mask=m2)
         tl.store(ZERO + slot[:, None] * stride_zs + h * stride_zh + offs_g[None, :],
                  tl.reshape(zero16, (BLOCK_N, NG)), mask=m2)
+
+
+@triton.jit
+def _quantize_pack_kernel(
+    X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC,
+    n_tokens, clip_ratio, scale_eps,
+    stride_xn, stride_xh, stride_xd,
+    stride_rh, stride_rr, stride_rc,
+    stride_cs, stride_ch,
+    stride_ss, stride_sh,
+    stride_zs, stride_zh,
+    stride_bs, stride_bh,
+    HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr,
+):
+    _quantize_pack_rows(tl.program_id(0), tl.program_id(1), X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC, n_tokens,
+                        clip_ratio, scale_eps, stride_xn, stride_xh, stride_xd, stride_rh, stride_rr, stride_rc,
+                        stride_cs, stride_ch, stride_ss, stride_sh, stride_zs, stride_zh, stride_bs, stride_bh,
+                        HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
+                        ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
+                        STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
+
+
+@triton.jit
+def _quantize_pack_kv_kernel(
+    K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC, K_BF16, K_BLOC,
+    K_n_tokens, K_clip_ratio, K_scale_eps,
+    K_stride_xn, K_stride_xh, K_stride_xd,
+    K_stride_rh, K_stride_rr, K_stride_rc,
+    K_stride_cs, K_stride_ch,
+    K_stride_ss, K_stride_sh,
+    K_stride_zs, K_stride_zh,
+    K_stride_bs, K_stride_bh,
+    V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC, V_BF16, V_BLOC,
+    V_n_tokens, V_clip_ratio, V_scale_eps,
+    V_stride_xn, V_stride_xh, V_stride_xd,
+    V_stride_rh, V_stride_rr, V_stride_rc,
+    V_stride_cs, V_stride_ch,
+    V_stride_ss, V_stride_sh,
+    V_stride_zs, V_stride_zh,
+    V_stride_bs, V_stride_bh,
+    HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr,
+):
+    """K and V of the same tokens in one launch: ``program_id(2)`` 0 writes K, 1 writes V (the two are independent,
+    so their programs run side by side instead of one launch after the other)."""
+    if tl.program_id(2) == 0:
+        _quantize_pack_rows(tl.program_id(0), tl.program_id(1), K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC,
+                            K_BF16, K_BLOC, K_n_tokens, K_clip_ratio, K_scale_eps, K_stride_xn, K_stride_xh,
+                            K_stride_xd, K_stride_rh, K_stride_rr, K_stride_rc, K_stride_cs, K_stride_ch, K_stride_ss,
+                            K_stride_sh, K_stride_zs, K_stride_zh, K_stride_bs, K_stride_bh,
+                            HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
+                            ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
+                            STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
+    else:
+        _quantize_pack_rows(tl.program_id(0), tl.program_id(1), V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC,
+                            V_BF16, V_BLOC, V_n_tokens, V_clip_ratio, V_scale_eps, V_stride_xn, V_stride_xh,
+                            V_stride_xd, V_stride_rh, V_stride_rr, V_stride_rc, V_stride_cs, V_stride_ch, V_stride_ss,
+                            V_stride_sh, V_stride_zs, V_stride_zh, V_stride_bs, V_stride_bh,
+                            HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
+                            ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
+                            STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
 
 
 def _check_clip(clip: float | torch.Tensor | None, hkv: int) -> float | torch.Tensor:
@@ -233,30 +297,78 @@ def quantize_pack(
             interpreter always computes in fp32.
         num_warps: warps per program (``DEFAULT_WARPS``).
     """
+    args, meta = _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
+                              rot_precision)
+    n, hkv, _ = x.shape
+    if n == 0:
+        return
+    _quantize_pack_kernel[(triton.cdiv(n, block_n), hkv)](*args, BLOCK_N=block_n, **meta, num_warps=num_warps)
+
+
+def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
+                 rot_precision) -> tuple[list, dict]:
+    """Checked arguments of one K or V write: (pointer/scalar/stride list, compile-time parameters)."""
     g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc)
     n, hkv, d = x.shape
     if codes is None:
         check_group_size(d, g)
-    if n == 0:
-        return
     rotate = rot is not None
     rot_t, rot_strides = (rot, rot.stride()) if rotate else (x, (0, 0, 0))  # unused pointer without rotation
     per_head = isinstance(clip, torch.Tensor)
     store_codes, store_bf16 = codes is not None, bf16_out is not None
     c_t, s_t, z_t, l_t = (codes, scale, zero, out_cache_loc) if store_codes else (x, x, x, x)
     b_t, bl_t = (bf16_out, bf16_loc) if store_bf16 else (x, x)
-    grid = (triton.cdiv(n, block_n), hkv)
-    _quantize_pack_kernel[grid](
+    args = [
         x, rot_t, clip if per_head else x, c_t, s_t, z_t, l_t, b_t, bl_t,
         n, DEFAULT_CLIP_RATIO if per_head else clip, SCALE_EPS,
         *x.stride(), *rot_strides,
         *(c_t.stride()[:2] if store_codes else (0, 0)), *(s_t.stride()[:2] if store_codes else (0, 0)),
         *(z_t.stride()[:2] if store_codes else (0, 0)), *(b_t.stride()[:2] if store_bf16 else (0, 0)),
-        HEAD_DIM=d, GROUP_SIZE=g, BLOCK_N=block_n,
-        ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1, CLIP_PER_HEAD=per_head, PRECISION=rot_precision,
-        STORE_CODES=store_codes, STORE_BF16=store_bf16, MAX_CODE=LEVELS,
-        num_warps=num_warps,
-    )
+    ]
+    meta = dict(HEAD_DIM=d, GROUP_SIZE=g, ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1,
+                CLIP_PER_HEAD=per_head, PRECISION=rot_precision, STORE_CODES=store_codes, STORE_BF16=store_bf16,
+                MAX_CODE=LEVELS)
+    return args, meta
+
+
+def quantize_pack_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rot_k: torch.Tensor | None,
+    rot_v: torch.Tensor | None,
+    clip_k: float | torch.Tensor | None,
+    clip_v: float | torch.Tensor | None,
+    k_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    v_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    out_cache_loc: torch.Tensor | None,
+    group_size: int | None = None,
+    bf16_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bf16_loc: torch.Tensor | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+    rot_precision: str = DEFAULT_ROT_PRECISION,
+    num_warps: int = DEFAULT_WARPS,
+) -> None:
+    """:func:`quantize_pack` of the K and the V rows of the same tokens in one launch (grid ``[blocks, Hkv, 2]``).
+
+    ``k_slots``/``v_slots``: ``(codes, scale, zero)`` of each (or ``None`` for exact rows only), ``bf16_out``:
+    ``(k_rows, v_rows)``; the rest as :func:`quantize_pack`, per K and V where named so. Results equal two
+    :func:`quantize_pack` calls. When K and V differ in what the kernel is compiled for (one rotated and the other
+    not, per-head clips for one only, ...), it makes those two launches instead."""
+    if v.shape != k.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    ko, vo = bf16_out if bf16_out is not None else (None, None)
+    ka, km = _launch_args(k, rot_k, clip_k, *(k_slots or (None, None, None)), out_cache_loc, group_size, ko, bf16_loc,
+                          rot_precision)
+    va, vm = _launch_args(v, rot_v, clip_v, *(v_slots or (None, None, None)), out_cache_loc, group_size, vo, bf16_loc,
+                          rot_precision)
+    n, hkv, _ = k.shape
+    if n == 0:
+        return
+    if km != vm:
+        _quantize_pack_kernel[(triton.cdiv(n, block_n), hkv)](*ka, BLOCK_N=block_n, **km, num_warps=num_warps)
+        _quantize_pack_kernel[(triton.cdiv(n, block_n), hkv)](*va, BLOCK_N=block_n, **vm, num_warps=num_warps)
+        return
+    _quantize_pack_kv_kernel[(triton.cdiv(n, block_n), hkv, 2)](*ka, *va, BLOCK_N=block_n, **km, num_warps=num_warps)
 
 
 def quantize_pack_ref(

@@ -206,3 +206,35 @@ def test_bf16_rows_at_a_second_index_list(rotate, store_codes):
     else:
         for a, b in zip(pools, before, strict=True):
             assert _equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["same", "mixed"])
+def test_kv_pair_is_two_single_launches(case):
+    """``quantize_pack_kv`` writes exactly what ``quantize_pack`` of K and then of V writes: in one launch when both
+    compile alike ("same": rotated, per-head clips, codes and exact rows), in two when they differ ("mixed": V
+    pre-rotated with a scalar clip)."""
+    from oscar_kernels import quantize_pack_kv
+
+    d, hkv, g = 64, 2, 32
+    gen = torch.Generator().manual_seed(91 + (case == "mixed"))
+    slots, rows = N_TOK + 5, N_TOK + 9
+    k, v = _x(N_TOK, hkv, d, gen, torch.bfloat16), _x(N_TOK, hkv, d, gen, torch.bfloat16)
+    rk, rv = random_rotation(hkv, d, gen), random_rotation(hkv, d, gen)
+    ck, cv = torch.tensor([0.9, 0.7], device=DEVICE), torch.tensor([0.8, 1.0], device=DEVICE)
+    if case == "mixed":
+        rv, cv = None, 0.85
+    loc = torch.randperm(slots, generator=gen)[:N_TOK].to(DEVICE)
+    bloc = torch.randperm(rows, generator=gen)[:N_TOK].to(DEVICE, torch.int32)
+    bloc[1::3] = -1
+    pools = [_pools(slots, hkv, d, g, gen) for _ in range(2)]
+    want = [tuple(t.clone() for t in p) for p in pools]
+    out = [torch.full((rows, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    want_out = [t.clone() for t in out]
+    quantize_pack_kv(k, v, rk, rv, ck, cv, pools[0], pools[1], loc, g, bf16_out=tuple(out), bf16_loc=bloc)
+    quantize_pack(k, rk, ck, *want[0], loc, g, bf16_out=want_out[0], bf16_loc=bloc)
+    quantize_pack(v, rv, cv, *want[1], loc, g, bf16_out=want_out[1], bf16_loc=bloc)
+    for got, exp in zip([*pools[0], *pools[1], *out], [*want[0], *want[1], *want_out], strict=True):
+        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.uint8 else got,
+                           exp.view(torch.uint8) if exp.dtype != torch.uint8 else exp)  # NaNs compared as bytes
+    with pytest.raises(ValueError, match="same shape"):
+        quantize_pack_kv(k, v[:-1], rk, rv, ck, cv, pools[0], pools[1], loc, g)
