@@ -1,6 +1,9 @@
 """quantize_pack for a 32k-token prefill (Qwen3-8B: 8 KV heads, d 128): fused rotation vs separate matmul.
 
-Usage: python benchmarks/bench_quantize_pack.py [--commit SHA] [--results benchmarks/RESULTS.md]
+Usage: python benchmarks/bench_quantize_pack.py [--decode] [--commit SHA] [--results benchmarks/RESULTS.md]
+``--decode``: instead, the write of one decode step (``N`` = batch = 1, 8, 32, 64 new tokens): K and V as two
+``quantize_pack`` launches against one ``quantize_pack_kv`` launch, over tokens per program, warps and rotation
+precision, CUDA-graph replay median (a decode step's writes are latency-bound: one program per KV head at bs1).
 Per-KV-head clip ratios come from an fp32 device tensor (one launch for all heads, as ``Int2KVPool.write`` runs it);
 one variant also stores the rotated bf16 rows (the exact-row output of an extend step). Appends the table to
 RESULTS.md with the date, device, commit and command.
@@ -30,12 +33,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--commit", default=None, help="commit recorded in RESULTS.md (default: git rev-parse HEAD)")
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
+    ap.add_argument("--decode", action="store_true", help="decode-step writes (K and V of N = batch tokens)")
     return ap.parse_args(argv)
+
+
+DECODE_BATCHES = (1, 8, 32, 64)
+DECODE_VARIANTS = [(16, "tf32x3", 4), (16, "tf32x3", 2), (16, "tf32", 4), (32, "tf32x3", 4), (64, "tf32x3", 4)]
+
+
+def decode_main(args, commit: str) -> None:
+    from oscar_kernels import quantize_pack_kv
+
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    slots = 4096
+    rots = [torch.linalg.qr(torch.randn(HKV, D, D, device=DEV, generator=gen))[0].contiguous() for _ in range(2)]
+    clips = [(0.7 + 0.3 * torch.rand(HKV, device=DEV, generator=gen)).contiguous() for _ in range(2)]
+    pools = [Int2Pool.empty(slots, HKV, D, device=DEV) for _ in range(2)]
+    exact = [torch.empty(slots, HKV, D, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+    head = ["variant"] + [f"bs{b} µs" for b in DECODE_BATCHES]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for pair in (False, True):
+        for bn, prec, nw in DECODE_VARIANTS:
+            cells = []
+            for b in DECODE_BATCHES:
+                k, v = (torch.randn(b, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+                loc = torch.randperm(slots, device=DEV, generator=gen)[:b]
+                bloc = torch.randperm(slots, device=DEV, generator=gen)[:b]
+                kw = dict(block_n=bn, rot_precision=prec, num_warps=nw)
+
+                def fn(k=k, v=v, loc=loc, bloc=bloc, kw=kw, pair=pair):
+                    if pair:
+                        quantize_pack_kv(k, v, rots[0], rots[1], clips[0], clips[1],
+                                         (pools[0].codes, pools[0].scale, pools[0].zero),
+                                         (pools[1].codes, pools[1].scale, pools[1].zero), loc,
+                                         bf16_out=(exact[0], exact[1]), bf16_loc=bloc, **kw)
+                    else:
+                        for x, r, c, pl, ex in zip((k, v), rots, clips, pools, exact, strict=True):
+                            quantize_pack(x, r, c, pl.codes, pl.scale, pl.zero, loc, bf16_out=ex, bf16_loc=bloc, **kw)
+
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    cells.append(f"{1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode='median'):.1f}")
+                except OutOfResources as e:
+                    cells.append("—")
+                    print(f"block_n {bn} {prec} {nw} warps, bs{b}: {e}")
+            how = "quantize_pack_kv (one launch)" if pair else "quantize_pack x2"
+            name = f"{how}, block_n {bn}, {prec}, {nw} warps"
+            lines.append("| " + " | ".join([name, *cells]) + " |")
+            print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    with open(args.results, "a") as f:
+        f.write(f"\n## quantize_pack, decode-step writes: {datetime.date.today()}, measured on "
+                f"{torch.cuda.get_device_name()}, commit {commit}\n\n"
+                f"Command: `{' '.join(['python'] + sys.argv)}`. K and V bf16 [bs, {HKV}, {D}] of one decode step, "
+                f"per-head fp32 rotations and clip tensors, INT2 codes into head-major pools plus the exact bf16 "
+                f"rows, scattered slots, CUDA-graph replay median.\n\n{table}\n")
 
 
 def main() -> None:
     args = parse_args()
     commit = args.commit or code_version()
+    if args.decode:
+        decode_main(args, commit)
+        return
     gen = torch.Generator(device=DEV).manual_seed(0)
     x = torch.randn(N, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
     rot = torch.linalg.qr(torch.randn(HKV, D, D, device=DEV, generator=gen))[0].contiguous()
