@@ -112,10 +112,11 @@ def test_summary_rows_put_the_numbers_in_their_cells():
     assert o["req @100k"] == "45" and o["admitted"] == "45/45 @32k"  # the larger of /v1/loads (44) and the log (45)
     assert o["bits/el"] == f"{8 * 20736 / 73728:.2f}" == "2.25"  # the plugin's cell bytes over 36 x 2 x 8 x 128
     assert o["bits/el pool"] == f"{8 * 93.0 * 2**30 / (4_500_000 * 73728):.2f}" == "2.41"  # SGLang's kvcache GiB
-    large, x_large, equal, x_equal, itl8, itl32, itl100, peak = o["rest"]
+    large, x_large, equal, x_equal, itl8, itl32, itl100, ttft, x_ttft, peak = o["rest"]
     assert (large, x_large, equal, x_equal) == ("2,000 (bs45 R)", "4.00x", "800 (bs7 R)", "1.60x")
-    assert (itl8, itl32, itl100) == ("8.00", "8.30", "—")  # the 100k latency failed: no number
+    assert (itl8, itl32, itl100, ttft, x_ttft) == ("8.00", "8.30", "—", "—", "—")  # the 100k latency failed
     assert peak == f"{127000 / 1024:.1f}"
+    assert rows["flashinfer-fp8"]["rest"][7:9] == ["5.0", "1.00x"]  # time to first token of the 100k prompt
     assert rows["flashinfer-fp8"]["rest"][:4] == ["900 (bs14 R)", "1.80x", "520 (bs7 R)", "1.04x"]
 
 
@@ -136,7 +137,7 @@ def test_results_section_and_profile_rows(tmp_path):
     assert "commit 0.1.0+gsample" in title and "SYNTHETIC SAMPLE, not measured" in title
     assert "Command: `oscar bench --configs flashinfer,flashinfer-fp8,oscar --profile (synthetic sample)`" in text
     assert ("| oscar | INT2 g128 s64/r256 | 4,500,000 | 6.43x | 45 | 45/45 @32k | 2.25 | 2.41 | 2,000 (bs45 R) | "
-            "4.00x | 800 (bs7 R) | 1.60x | 8.00 | 8.30 | — | 124.0 |") in text
+            "4.00x | 800 (bs7 R) | 1.60x | 8.00 | 8.30 | — | — | — | 124.0 |") in text
     assert "| oscar | bs45/100k | 30.00 | 9.00 | 3.00 | 42.00 | 71% |" in text
     assert "| flashinfer | bs1/100k | 2.50 | 6.00 | 0.90 | 9.40 | 27% |" in text
     assert "* oscar latency at 100000: error: RuntimeError: the server is not running" in text
@@ -145,6 +146,14 @@ def test_results_section_and_profile_rows(tmp_path):
     md.write_text("# Results\n")
     d.append_results(md, text)
     assert md.read_text() == "# Results\n\n" + text
+
+
+def test_notes_leave_out_what_a_later_record_made_good():
+    base = dict(config="oscar", measure="throughput", batch=50, context=100000)
+    lat = dict(base, measure="latency", batch=None)
+    records = [dict(base, skipped="time budget spent"), dict(base, tok_s=1046.0), dict(lat, itl_ms=9.4),
+               dict(lat, context=None, skipped="time budget spent"), dict(lat, context=8192, error="boom")]
+    assert d.notes(records) == ["oscar latency at 8192: error: boom"]  # the bs50 rate and a 100k latency exist
 
 
 def test_plot_series_and_file(tmp_path):
@@ -341,6 +350,7 @@ class FakeSGLang:
     def __init__(self, log: Path, max_total: int, mrr: int, oscar: bool):
         self.log, self.max_total, self.lock = log, max_total, threading.Lock()
         self.active, self.used, self.seen, self.profiles, self.arrived = 0, 0, [], [], 0.0
+        self.requests: list[tuple[int, int]] = []  # (prompt tokens, max_new_tokens) of every /generate
         kind = "OSCAR INT2 " if oscar else ""
         lines = [f"[t] {kind}KV Cache is allocated. dtype: torch.bfloat16, #tokens: {max_total}, K size: 0.25 GB, "
                  "V size: 0.25 GB", f"[t] max_total_num_tokens={max_total}, max_running_requests={mrr}"]
@@ -396,6 +406,7 @@ class FakeSGLang:
                 with fake.lock:
                     cached = max((fake.common(ids, s) for s in fake.seen), default=0)
                     fake.seen.append(ids)
+                    fake.requests.append((len(ids), n))
                     fake.arrived = time.perf_counter()
                 while time.perf_counter() - fake.arrived < BATCHING_S:  # a scheduler admits a burst as one batch
                     time.sleep(0.002)
@@ -505,12 +516,13 @@ def test_measurements_through_a_fake_sglang_server(tmp_path, qwen, monkeypatch):
                         latency_contexts=(256, 512, 1024), decode_tokens=12, prefill_budget=5000,
                         max_running_requests=12, budget_s=120, command="oscar bench (fake server)")
     sizes = {"flashinfer": (4096, 100), "oscar": (30000, 12)}  # largest batches at 1024 tokens: 4 and 12 (capped)
-    started = []
+    started, fakes = [], {}
 
     def start(config, cfg_, model_, artifact, timeout):
         argv, env = d.server_argv(config, cfg_, model_, artifact, tmp_path / "profiles")
         started.append((config.name, argv, env))
         fake = FakeSGLang(tmp_path / f"{config.name}.log", *sizes[config.name], oscar=config.name == "oscar")
+        fakes[config.name] = fake
         return FakeProcess(fake, argv)
 
     recs = d.run(cfg, start=start, gpu=lambda: 2048.0, device="fake", prepare=lambda c: (model, art))
@@ -554,6 +566,9 @@ def test_measurements_through_a_fake_sglang_server(tmp_path, qwen, monkeypatch):
             p = by[(config, "profile", b, 1024)]
             assert (p["attention_ms"], p["gemm_ms"], p["other_ms"]) == (3.0, 5.0, 1.5)
             assert p["steps"] == d.PROFILE_STEPS and Path(p["trace"]).is_file()
+    for fake in fakes.values():  # one unrecorded warm-up (kernel JIT) right before the first latency request
+        first = fake.requests.index((256 - 12, 12))
+        assert fake.requests[first - 1] == (256 - 12, 4) and fake.requests.count((256 - 12, 4)) == 1
     section = d.results_section(recs)
     assert "| oscar | INT2 g128 s64/r256 | 30,000 | 7.32x | 29 | 12/12 @512 |" in section  # 29 fit, 12 slots
 

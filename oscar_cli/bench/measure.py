@@ -74,6 +74,7 @@ class Run:
         self.vocab = 32000
         self._seed = 0
         self._prefix: list[int] | None = None
+        self._warm = False
 
     # helpers
     def left(self) -> float:
@@ -275,9 +276,26 @@ def measure_throughput(run: Run) -> list[dict]:
     return out
 
 
+WARMUP_TOKENS = 4096
+"""Prompt of the one unrecorded request a server gets before its first latency measurement: the first extend and
+decode at a new shape compile kernels (Triton JIT), which is not the time a user's request waits."""
+
+
+def warm_up(run: Run) -> None:
+    if run._warm:
+        return
+    run._warm = True
+    n = min(WARMUP_TOKENS, min(run.cfg.latency_contexts) - run.cfg.decode_tokens)
+    if n > 0:
+        run.generate([run.prompt(n)], 4, run.ceiling(n, 4, 1, n + 4), "warm-up")
+    run.flush()
+
+
 def measure_latency(run: Run) -> list[dict]:
     cfg = run.cfg
     out = []
+    if run.left() >= MIN_MEASURE_S:
+        warm_up(run)
     for context in cfg.latency_contexts:
         if run.left() < MIN_MEASURE_S:
             out.append(run.add("latency", context=context, skipped="time budget spent"))

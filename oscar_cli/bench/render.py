@@ -11,7 +11,7 @@ from .spec import BASELINE, CONFIGS, ELEMENTS_PER_TOKEN, SGLANG_VERSION, BenchEr
 # ---------------------------------------------------------------------------------------------------- rendering
 SUMMARY_HEADERS = ("config", "KV", "max tokens", "x BF16", "req @100k", "admitted", "bits/el", "bits/el pool",
                    "tok/s largest", "x BF16", "tok/s equal", "x BF16", "ITL 8k ms", "ITL 32k ms", "ITL 100k ms",
-                   "peak GiB")
+                   "TTFT 100k s", "x BF16", "peak GiB")
 PROFILE_HEADERS = ("config", "point", "attention ms", "GEMM ms", "other ms", "total ms", "attention %")
 DASH = "—"
 GIB = 1 << 30
@@ -98,10 +98,9 @@ def summary_rows(records: list[dict]) -> list[list[str]]:
         base_eq = eq and _latest(records, BASELINE, "throughput",
                                  lambda r, e=eq: r.get("batch") == e["batch"] and r.get("context") == e["context"]
                                  and r.get("tok_s"))
-        itl = {}
-        for r in records:
-            if r["config"] == c and r["measure"] == "latency" and r.get("itl_ms") is not None:
-                itl[r["context"]] = r["itl_ms"]
+        itl = _per_context(records, c, "itl_ms")
+        ttft = _nearest(_per_context(records, c, "ttft_s"), long_ctx)
+        base_ttft = _nearest(_per_context(records, BASELINE, "ttft_s"), long_ctx)
         rows.append([
             c, (srv or {}).get("kv") or (CONFIGS[c].kv if c in CONFIGS else DASH),
             DASH if tokens is None else f"{tokens:,}", _ratio(tokens, base_tokens),
@@ -110,9 +109,19 @@ def summary_rows(records: list[dict]) -> list[list[str]]:
             _ratio(large and large["tok_s"], base_large and base_large["tok_s"]),
             DASH if eq is None else f"{eq['tok_s']:,.0f} (bs{eq['batch']}{_fill_mark(eq)})",
             _ratio(eq and eq["tok_s"], base_eq and base_eq["tok_s"]),
-            *(_fmt(_nearest(itl, k), ".2f") for k in (8192, 32768, 100_000)), _fmt(_peak_gib(records, c), ".1f"),
+            *(_fmt(_nearest(itl, k), ".2f") for k in (8192, 32768, 100_000)), _fmt(ttft, ".1f"),
+            _ratio(ttft, base_ttft), _fmt(_peak_gib(records, c), ".1f"),
         ])
     return rows
+
+
+def _per_context(records: list[dict], config: str, key: str) -> dict[int, float]:
+    """``key`` of the latest latency record of ``config`` at each context."""
+    out = {}
+    for r in records:
+        if r["config"] == config and r["measure"] == "latency" and r.get(key) is not None:
+            out[r["context"]] = r[key]
+    return out
 
 
 def _nearest(values: dict[int, float], context: int) -> float | None:
@@ -143,10 +152,20 @@ def markdown(headers: Iterable[str], rows: list[list[str]]) -> str:
 
 
 def notes(records: list[dict]) -> list[str]:
-    """What did not run or failed, one line each."""
+    """What did not run or failed, one line each. A skip or failure is left out where another record measured the
+    same point (configuration and measurement, and the batch and context where the skip names them): the tables show
+    that record."""
     out = []
+    good = [r for r in records if not (r.get("skipped") or r.get("error") or r.get("errors"))]
+
+    def measured(r: dict) -> bool:
+        return any(g["config"] == r["config"] and g["measure"] == r["measure"]
+                   and all(r.get(k) is None or g.get(k) == r.get(k) for k in ("batch", "context")) for g in good)
+
     for r in records:
         why = r.get("skipped") or r.get("error")
+        if (why or r.get("errors")) and measured(r):
+            continue
         if why:
             where = f" bs{r['batch']}" if r.get("batch") else f" at {r['context']}" if r.get("context") else ""
             out.append(f"{r['config']} {r['measure']}{where}: {'skipped: ' if r.get('skipped') else 'error: '}{why}")
