@@ -3,8 +3,10 @@ BF16 and FP8 KV caches, end to end through the HTTP server (the library behind `
 ``benchmarks/bench_e2e.py``: :mod:`.spec` what runs, :mod:`.server` one SGLang server, :mod:`.measure` the
 measurements, :mod:`.records` and :mod:`.render` what is kept and shown).
 
-NOT RUN YET: this driver has not run on a GPU. Everything below is what it measures *when it runs*; its parsing,
-records and rendering are tested on CPU over recorded sample data (``tests/test_cli_bench.py``), which is synthetic.
+Ran on an H200 on 2026-12-02 (``benchmarks/RESULTS.md``): server facts, throughput and latency of ``oscar``,
+``flashinfer`` and ``flashinfer-fp8``; the admission run and the profile have not run on a GPU yet. Its parsing,
+records and rendering are tested on CPU over recorded sample data (``tests/test_cli_bench.py``, synthetic).
+Batch-1 latency points come after one unrecorded warm-up request (:data:`.measure.WARMUP_TOKENS`).
 
 **Model.** A Qwen3-8B-shaped model: 36 layers, hidden 4096, 32 query / 8 KV heads, head dim 128, intermediate
 12288, vocab 151936, RoPE theta 1e6, 131072 positions (:data:`QWEN3_8B_SHAPED`, written by :func:`write_model`),
@@ -73,7 +75,7 @@ was 139 s there), later ones in the same command at :data:`RESTART_TIMEOUT_S` (1
 admission, tokens/s at the largest and the equal batch with ratios, ITL at each context, peak memory), the profile
 summary, and a ``benchmarks/RESULTS.md`` section with date, device, commit and command taken from the records.
 
-**On the H200** (not run yet). CPU side, once: SGLang's site archive and a tokenizer folder into the ignored
+**On the H200**. CPU side, once: SGLang's site archive and a tokenizer folder into the ignored
 ``.whl/`` (``/work/shared/sglang-h200/README.md``)::
 
     grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude

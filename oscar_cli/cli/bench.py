@@ -3,7 +3,7 @@
 The command parses flags into the library's ``BenchConfig`` (:mod:`oscar_cli.bench`, which holds the spec of
 every measurement), runs it with a progress bar, and renders the recorded results: one table, a section appended to
 ``benchmarks/RESULTS.md``, and with ``--plot`` a figure. ``--render RESULTS_JSON`` only renders recorded results
-(no GPU, no SGLang). The benchmark has not run on a GPU yet.
+(no GPU, no SGLang). Measured on an H200: ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def bench_cmd(
     store: StoreOpt = DEFAULT_STORE,
 ) -> None:
     """Capacity, decode throughput and latency of oscar vs SGLang BF16/FP8 KV on a Qwen3-8B-shaped model (random
-    weights) in SGLang 0.5.17; needs CUDA and SGLang. Not run on a GPU yet.
+    weights) in SGLang 0.5.17; needs CUDA and SGLang.
 
     Example: oscar bench --configs flashinfer,oscar --tokenizer .oscar/models/smollm2-135m --out /tmp/oscar-bench
 
