@@ -576,10 +576,44 @@ def server_info(url: str) -> ServerInfo:
     if not cards:
         raise EvalError(f"server {base} serves no model (empty /v1/models)")
     card = cards[0]
-    meta = card.get("oscar") or {}
+    meta = card.get("oscar") or sglang_meta(base)
     return ServerInfo(url=base, model_id=card["id"], method=meta.get("method", "server"),
                       artifact=(meta.get("artifact") or {}).get("name") if isinstance(meta.get("artifact"), dict)
                       else meta.get("artifact"), scheme=meta.get("scheme"))
+
+
+def sglang_meta(base: str) -> dict:
+    """What an SGLang server serves, from its ``/server_info`` (its server arguments): with the ``oscar`` attention
+    backend, method ``oscar`` and the artifact handed over in ``--json-model-override-args`` (name and scheme read
+    from its manifest where that path exists here, else the path); otherwise ``sglang-<backend>-<kv dtype>``.
+    ``{}`` for a server that is not SGLang."""
+    import json
+
+    from .artifact import ArtifactError, load_artifact
+
+    try:
+        info = _http("GET", f"{base}/server_info", timeout=30)
+    except EvalError:
+        return {}
+    backend = info.get("attention_backend") if isinstance(info, dict) else None
+    if not backend:
+        return {}
+    if backend != "oscar":
+        kv = info.get("kv_cache_dtype") or "auto"
+        return {"method": f"sglang-{backend}-{'bf16' if kv == 'auto' else kv}"}
+    over = info.get("json_model_override_args") or "{}"
+    try:
+        path = (json.loads(over) if isinstance(over, str) else over).get("oscar", {}).get("artifact")
+    except (ValueError, AttributeError):
+        path = None
+    meta: dict = {"method": "oscar", "artifact": path}
+    if path and Path(path).is_dir():
+        try:
+            art = load_artifact(Path(path))
+            meta.update(artifact=art.name, scheme=art.scheme.to_dict())
+        except ArtifactError:
+            pass
+    return meta
 
 
 def perplexity_via_server(info: ServerInfo, windows: torch.Tensor, advance: Callable[[], None] | None = None) -> float:
@@ -588,8 +622,8 @@ def perplexity_via_server(info: ServerInfo, windows: torch.Tensor, advance: Call
     nll, count = 0.0, 0
     for w in windows:
         out = _http("POST", f"{info.url}/v1/completions", {
-            "model": info.model_id, "prompt": w.tolist(), "max_tokens": 0, "echo": True, "logprobs": 1,
-            "temperature": 0.0})
+            "model": info.model_id, "prompt": w.tolist(), "max_tokens": 1, "echo": True, "logprobs": 1,
+            "temperature": 0.0})  # SGLang refuses max_tokens 0; the one new token is not counted
         lps = out["choices"][0]["logprobs"]["token_logprobs"][1: w.numel()]
         if len(lps) != w.numel() - 1 or any(x is None for x in lps):
             raise EvalError(f"server {info.url} returned {len(lps)} prompt logprobs for a {w.numel()}-token window; "
