@@ -8,7 +8,9 @@ Steps (each appends its table to ``benchmarks/RESULTS.md`` with date, device, co
   backend against the project's own path (``TransformersEngine``: transformers + ``OscarCache`` + the fused
   kernels) on the same model and artifact; as the control of what two engines' BF16 numerics alone do, SGLang with
   its triton backend against the same engine without an artifact. Reported: tokens until the first difference and
-  the fraction of equal tokens, per prompt;
+  the fraction of equal tokens, per prompt; and where bf16 rounding makes greedy outputs part, the perplexity of
+  held-out windows through each server's prompt logprobs (``oscar eval --server``'s computation) against the same
+  windows decoded token by token through the project's cache (``oscar eval --decode``'s);
   - a 2,048-token shared prefix (:func:`prefix_protocol`): one request alone warms it, then 8 requests sharing it
   run together (``cached_tokens`` must be > 0, the anchored prefix), each again alone on the warm cache (a hit at
   batch 1), and each alone after ``/flush_cache`` (``cached_tokens`` 0). Reported: cached tokens and where the
@@ -42,6 +44,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
 NEW_TOKENS = 96
+PPL_SEQ_LEN, PPL_WINDOWS = 512, 4
+"""Held-out perplexity windows (``oscar eval``'s ``oscar_ppl`` text): through each server's prompt logprobs and
+through the project's own decode path."""
 PREFIX_TOKENS = 2048
 SHARING = 8
 MEM_FRACTION = 0.85
@@ -156,8 +161,9 @@ def agreement(a: list[int], b: list[int]) -> tuple[int, float]:
     return first, same
 
 
-def engine_outputs(model: Path, store: Path, artifact: Path | None, prompts: Path, out: Path) -> list[list[int]]:
-    """Greedy completions from the project's transformers engine, in a process of its own (its own transformers)."""
+def engine_outputs(model: Path, store: Path, artifact: Path | None, prompts: Path, out: Path) -> dict:
+    """Greedy completions (``outputs``) and decode perplexity (``ppl_decode``) from the project's transformers
+    engine, in a process of its own (the image's transformers, not SGLang's)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.environ.get("OSCAR_SITE", "")
     cmd = [sys.executable, __file__, "engine", "--model", str(model), "--store", str(store), "--prompts",
@@ -167,6 +173,11 @@ def engine_outputs(model: Path, store: Path, artifact: Path | None, prompts: Pat
 
 
 def run_engine(args) -> None:
+    """Greedy completions of the prompts, then the perplexity of the held-out windows decoded token by token through
+    the same engine's cache (``oscar eval --decode``'s computation: ``oscar_cli.evaluate.perplexity``)."""
+    import torch
+
+    from oscar_cli.evaluate import perplexity, prepare
     from oscar_cli.serve.engine import SamplingParams, TransformersEngine
 
     eng = TransformersEngine.load(str(args.model), Path(args.store), Path(args.artifact) if args.artifact else None)
@@ -176,7 +187,18 @@ def run_engine(args) -> None:
                 for ids in json.loads(Path(args.prompts).read_text())]
     finally:
         eng.stop()
-    Path(args.out).write_text(json.dumps(outs))
+    from oscar_cli.methods import get_method, scheme_for
+
+    model = eng.loaded.model
+    d = model.config.head_dim if getattr(model.config, "head_dim", None) else \
+        model.config.hidden_size // model.config.num_attention_heads
+    art = eng.artifact
+    method = get_method("oscar" if art is not None else "bf16")
+    scheme = scheme_for(method, d, artifact_scheme=art.scheme if art is not None else None)
+    prep = prepare(model, method, scheme, art)
+    windows = torch.tensor(json.loads(Path(args.prompts).with_name("ppl_windows.json").read_text()))
+    ppl = perplexity(model, windows, prep, decode=True)
+    Path(args.out).write_text(json.dumps({"outputs": outs, "ppl_decode": ppl}))
 
 
 def make_prompts(model: Path, work: Path) -> tuple[Path, list[list[int]], list[int], list[list[int]]]:
@@ -194,6 +216,11 @@ def make_prompts(model: Path, work: Path) -> tuple[Path, list[list[int]], list[i
     suffixes = [tok(texts[i], add_special_tokens=False)["input_ids"][:48] for i in range(SHARING)]
     path = work / "prompts.json"
     path.write_text(json.dumps(prompts))
+    from oscar_cli.data import heldout_text
+    from oscar_cli.evaluate import token_ids, windows_of
+
+    windows = windows_of(token_ids(tok, heldout_text()), PPL_SEQ_LEN, PPL_WINDOWS)
+    (work / "ppl_windows.json").write_text(json.dumps(windows.tolist()))
     return path, prompts, prefix, suffixes
 
 
@@ -234,20 +261,32 @@ def prefix_rows(backend: str, runs: dict, reqs: list[list[int]]) -> list[str]:
     return rows
 
 
+def server_perplexity(srv: Server, work: Path) -> float:
+    """``oscar eval --server``'s perplexity (prompt logprobs) of the held-out windows, against this server."""
+    import torch
+
+    from oscar_cli.evaluate import perplexity_via_server, server_info
+
+    windows = torch.tensor(json.loads((work / "ppl_windows.json").read_text()))
+    return perplexity_via_server(server_info(srv.url), windows)
+
+
 def step_serve(args, work: Path) -> str:
     """Greedy outputs and the shared-prefix runs, one server start per backend (oscar, then the triton control)."""
     path, prompts, prefix, suffixes = make_prompts(args.model, work)
     reqs = [prefix + s for s in suffixes]
-    got, runs = {}, {}
+    got, runs, ppl = {}, {}, {}
     for backend, art in (("oscar", args.artifact), ("triton", None)):
         srv = start(backend, args.model, args.port, work, art)
         try:
             got[backend] = [srv.generate(p)["output_ids"] for p in prompts]
             runs[backend] = prefix_protocol(srv, reqs)
+            ppl[backend] = server_perplexity(srv, work)
         finally:
             srv.stop()
-    got["oscar-cache"] = engine_outputs(args.model, args.store, args.artifact, path, work / "engine-oscar.json")
-    got["bf16"] = engine_outputs(args.model, args.store, None, path, work / "engine-bf16.json")
+    for name, art in (("oscar-cache", args.artifact), ("bf16", None)):
+        res = engine_outputs(args.model, args.store, art, path, work / f"engine-{name}.json")
+        got[name], ppl[name] = res["outputs"], res["ppl_decode"]
     rows = [f"Greedy completions of {NEW_TOKENS} tokens (EOS ignored) of held-out prompts: SGLang with the oscar "
             "backend against the project's transformers path with OscarCache (same model and artifact), and as the "
             "control SGLang's triton BF16 backend against transformers BF16.", "",
@@ -257,6 +296,14 @@ def step_serve(args, work: Path) -> str:
         a = agreement(got["oscar"][i], got["oscar-cache"][i])
         b = agreement(got["triton"][i], got["bf16"][i])
         rows.append(f"| {len(p)} | {a[0]} / {a[1]:.0%} | {b[0]} / {b[1]:.0%} |")
+    rows += ["", f"Perplexity of {PPL_WINDOWS} held-out windows of {PPL_SEQ_LEN} tokens: through each SGLang "
+             "server's prompt logprobs, and decoded token by token through the project's cache "
+             "(`oscar eval --decode`'s computation).", "",
+             "| | SGLang server logprobs | project decode path | server / project |", "| --- | --- | --- | --- |",
+             f"| oscar (artifact) | {ppl['oscar']:.4f} | {ppl['oscar-cache']:.4f} | "
+             f"{ppl['oscar'] / ppl['oscar-cache']:.4f} |",
+             f"| bf16 (triton / transformers) | {ppl['triton']:.4f} | {ppl['bf16']:.4f} | "
+             f"{ppl['triton'] / ppl['bf16']:.4f} |"]
     rows += ["", f"Shared {PREFIX_TOKENS}-token prefix, {SHARING} requests (prefix + a distinct 48-token suffix). "
              "Each request's completion is compared with the same request alone on a flushed cache (cold): run "
              "together (batch 8, prefix hit) and alone on the warm cache (batch 1, hit).", "",
