@@ -18,7 +18,6 @@ receive the checkpoint still measures the speed of that architecture. The table 
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from oscar_cli import code_version
+from oscar_cli.results_md import append_section, markdown_table
 
 
 def time_decode(model, cache, prompt: torch.Tensor, steps: int, kw: str) -> tuple[float, int]:
@@ -92,8 +92,7 @@ def main() -> None:
     scheme = scheme_for(method, head_dim_of(cfg), artifact_scheme=art.scheme if art else None)
     kw = cache_kwarg(model)
     gen = torch.Generator().manual_seed(0)
-    lines = ["| context | DynamicCache BF16 ms/token | OscarCache ms/token | ratio | BF16 cache MB | OscarCache MB |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
         prompt = torch.randint(0, cfg.vocab_size, (1, ctx), generator=gen).cuda()
         model.set_attn_implementation("sdpa")
@@ -107,19 +106,19 @@ def main() -> None:
         osc_mb = cache.nbytes() / 1e6
         del cache
         torch.cuda.empty_cache()
-        lines.append(f"| {ctx} | {t_dyn:.2f} | {t_osc:.2f} | {t_osc / t_dyn:.2f} | {dyn_mb:.1f} | {osc_mb:.1f} |")
-        print(lines[-1], flush=True)
-    table = "\n".join(lines)
+        rows.append([ctx, f"{t_dyn:.2f}", f"{t_osc:.2f}", f"{t_osc / t_dyn:.2f}", f"{dyn_mb:.1f}", f"{osc_mb:.1f}"])
+        print(rows[-1], flush=True)
+    table = markdown_table(["context", "DynamicCache BF16 ms/token", "OscarCache ms/token", "ratio", "BF16 cache MB",
+                            "OscarCache MB"], rows)
     print(table)
-    cmd = " ".join(["python"] + sys.argv)
     what = f"artifact {art.name} ({scheme.describe()})" if art else f"int2-hadamard ({scheme.describe()})"
-    with open(args.results, "a") as f:
-        f.write(f"\n## OscarCache decode vs DynamicCache BF16: {datetime.date.today()}, measured on "
-                f"{torch.cuda.get_device_name()}, commit {args.commit or code_version()}\n\nCommand: `{cmd}`. "
-                f"{loaded.slug} in bf16{' (random weights of its config)' if args.random_weights else ''}, batch 1, random prompt of each length prefilled once, median of the last "
-                f"{args.steps - args.steps // 8} of {args.steps} greedy decode steps (synchronised wall time per "
-                f"`model(...)` call); OscarCache on the kernel backend with {what}; OscarCache MB is the pool as "
-                f"allocated (per-row capacity doubles).\n\n{table}\n")
+    append_section(args.results, "OscarCache decode vs DynamicCache BF16", torch.cuda.get_device_name(),
+                   args.commit or code_version(),
+                   f"{loaded.slug} in bf16{' (random weights of its config)' if args.random_weights else ''}, batch 1, "
+                   f"random prompt of each length prefilled once, median of the last {args.steps - args.steps // 8} "
+                   f"of {args.steps} greedy decode steps (synchronised wall time per `model(...)` call); OscarCache "
+                   f"on the kernel backend with {what}; OscarCache MB is the pool as allocated (per-row capacity "
+                   "doubles).", table)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ commit and command.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shutil
 import statistics
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from oscar_cli import code_version
+from oscar_cli.results_md import append_section, markdown_table
 
 SHAPES = {"qwen3-8b": "oscar_cli.bench.spec:QWEN3_8B_SHAPED"}
 
@@ -132,7 +132,7 @@ def table(m: dict) -> str:
            f"{m['collect_s']:.1f}", f"{m['tokens'] / m['collect_s']:,.0f}", f"{m['first_s']:.2f}",
            f"{m['last_s']:.2f}", f"{m['fit_s']:.1f}", f"{m['collect_s'] + m['fit_s']:.1f}", f"{m['store_mb']:.0f}",
            f"{m['artifact_mb']:.1f}", "—" if m["peak_gib"] != m["peak_gib"] else f"{m['peak_gib']:.1f}"]
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), "| " + " | ".join(row) + " |"])
+    return markdown_table(head, [row])
 
 
 def device_name(device: str) -> str:
@@ -173,18 +173,17 @@ def main(argv: list[str] | None = None) -> dict:
     t = table(m)
     print(t)
     s = m["shape"]
-    cmd = " ".join(["python", "benchmarks/bench_calibration.py", *(argv if argv is not None else sys.argv[1:])])
     arch = str(args.config) if args.config else f"{args.shape}-shaped"
     size = f"{m['params'] / 1e9:.2f} B" if m["params"] >= 1e9 else f"{m['params'] / 1e6:.1f} M"
-    with open(args.results, "a") as f:
-        f.write(f"\n## Calibration at scale (collect + fit): {datetime.date.today()}, measured on "
-                f"{device_name(args.device)}, commit {args.commit or code_version()}\n\nCommand: `{cmd}`. "
-                f"{arch} model with random weights ({size} parameters; {s.n_layers} layers, "
-                f"{s.n_heads} query / {s.n_kv_heads} KV heads, d {s.head_dim}), the built-in corpus in windows of "
-                f"{args.seq_len} tokens, {args.batch_size} per batch, library entry points of `oscar collect` and "
-                f"`oscar fit{' --per-head' if args.per_head else ''}` into a fresh store; s/batch: median time "
-                f"between persisted batches; checkpoint every: batches per store transaction (accumulators and "
-                f"reservoir).\n\n{t}\n")
+    append_section(args.results, "Calibration at scale (collect + fit)", device_name(args.device),
+                   args.commit or code_version(),
+                   f"{arch} model with random weights ({size} parameters; {s.n_layers} layers, {s.n_heads} query / "
+                   f"{s.n_kv_heads} KV heads, d {s.head_dim}), the built-in corpus in windows of {args.seq_len} tokens, "
+                   f"{args.batch_size} per batch, library entry points of `oscar collect` and "
+                   f"`oscar fit{' --per-head' if args.per_head else ''}` into a fresh store; s/batch: median time "
+                   "between persisted batches; checkpoint every: batches per store transaction (accumulators and "
+                   "reservoir).", t, command=["benchmarks/bench_calibration.py", *(argv if argv is not None else
+                                                                                 sys.argv[1:])])
     return m
 
 

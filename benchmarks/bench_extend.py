@@ -23,7 +23,6 @@ and command. Needs CUDA.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 
 import torch
@@ -33,6 +32,7 @@ from oscar_kernels import ExtendPlan, Int2KVPool, extend_int2
 from oscar_kernels.scheme import QuantScheme
 
 from oscar_cli import code_version
+from oscar_cli.results_md import append_section, markdown_table
 
 HQ, HKV, D, LAYERS = 32, 8, 128, 36
 DEV = "cuda"
@@ -93,13 +93,12 @@ def sweep(prefix: int, chunk: int, gen: torch.Generator) -> list[str]:
     """``extend_int2`` of one chunk after ``prefix`` positions over :data:`SWEEP`, as markdown table lines."""
     pool, plan, q, _, _ = setup(prefix, chunk, gen)
     sk, sv = plan._buffers["scratch_k"][:chunk], plan._buffers["scratch_v"][:chunk]
-    lines = ["| block_m | block_n | warps | stages | extend_int2 ms |", "| --- | --- | --- | --- | --- |"]
+    rows = []
     for kw in SWEEP:
         t = ms(lambda kw=kw: extend_int2(q, sk, sv, pool.layer(0), plan.index, new_kv_rotated=True, **kw))
-        lines.append(f"| {kw['block_m']} | {kw['block_n']} | {kw['num_warps']} | {kw['num_stages']} | "
-                     f"{'—' if t is None else f'{t:.3f}'} |")
-        print(lines[-1], flush=True)
-    return lines
+        rows.append([kw["block_m"], kw["block_n"], kw["num_warps"], kw["num_stages"], "—" if t is None else f"{t:.3f}"])
+        print(rows[-1], flush=True)
+    return markdown_table(["block_m", "block_n", "warps", "stages", "extend_int2 ms"], rows).splitlines()
 
 
 def ms(fn) -> float | None:
@@ -153,25 +152,21 @@ def main(argv: list[str] | None = None) -> None:
         cols["flash BF16"][p] = ms(sdpa_fn(p, args.chunk, SDPBackend.FLASH_ATTENTION, gen))
         print(f"prefix {p}: " + ", ".join(f"{k} {v[p]}" for k, v in cols.items()), flush=True)
     fmt = lambda t: "—" if t is None else f"{t:.3f}"  # noqa: E731
-    head = ["prefix", *[f"{k} ms" for k in cols]]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for p in prefixes:
-        lines.append("| " + " | ".join([f"{p:,}", *[fmt(c[p]) for c in cols.values()]]) + " |")
+    rows = [[f"{p:,}", *[fmt(c[p]) for c in cols.values()]] for p in prefixes]
     totals = {k: prefill_total(v, args.chunk) for k, v in cols.items()}
-    lines.append("| 100k prefill, one layer (fit) | " + " | ".join(fmt(t) for t in totals.values()) + " |")
-    lines.append(f"| 100k prefill, {LAYERS} layers, s | " + " | ".join(
-        "—" if t is None else f"{t * LAYERS / 1e3:.2f}" for t in totals.values()) + " |")
-    table = "\n".join(lines)
+    rows.append(["100k prefill, one layer (fit)", *[fmt(t) for t in totals.values()]])
+    rows.append([f"100k prefill, {LAYERS} layers, s",
+                 *["—" if t is None else f"{t * LAYERS / 1e3:.2f}" for t in totals.values()]])
+    table = markdown_table(["prefix", *[f"{k} ms" for k in cols]], rows)
     print(table)
-    with open(args.results, "a") as f:
-        f.write(f"\n## Chunked prefill, one layer: {datetime.date.today()}, measured on {torch.cuda.get_device_name()}, "
-                f"commit {args.commit or code_version()}\n\nCommand: `{' '.join(['python', *sys.argv])}`. Qwen3-8B "
-                f"attention (32 q / 8 KV heads, d 128), chunks of {args.chunk} tokens after each prefix, "
-                f"int2.g128.s64.r256, random data, `triton.testing.do_bench` median; the 100k rows sum a "
-                f"straight-line fit over the chunks of a {PREFILL:,}-token prefill (attention only: no weights)."
-                f"\n\n{table}\n" + ("\n`extend_int2` at the longest prefix over launch parameters:\n\n"
-                                    + "\n".join(sweep_lines) + "\n" if sweep_lines else ""))
-
+    extra = ("`extend_int2` at the longest prefix over launch parameters:\n\n" + "\n".join(sweep_lines)
+             if sweep_lines else "")
+    append_section(args.results, "Chunked prefill, one layer", torch.cuda.get_device_name(),
+                   args.commit or code_version(),
+                   f"Qwen3-8B attention (32 q / 8 KV heads, d 128), chunks of {args.chunk} tokens after each prefix, "
+                   f"int2.g128.s64.r256, random data, `triton.testing.do_bench` median; the 100k rows sum a "
+                   f"straight-line fit over the chunks of a {PREFILL:,}-token prefill (attention only: no weights).",
+                   table, extra=extra)
 
 if __name__ == "__main__":
     main()

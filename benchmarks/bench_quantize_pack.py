@@ -12,8 +12,6 @@ RESULTS.md with the date, device, commit and command.
 from __future__ import annotations
 
 import argparse
-import datetime
-import sys
 
 import torch
 import triton
@@ -21,6 +19,7 @@ from oscar_kernels import Int2Pool, quantize_pack
 from triton.runtime.errors import OutOfResources
 
 from oscar_cli import code_version
+from oscar_cli.results_md import append_section, markdown_table
 
 N, HKV, D = 32768, 8, 128
 DEV = "cuda"
@@ -50,8 +49,7 @@ def decode_main(args, commit: str) -> None:
     clips = [(0.7 + 0.3 * torch.rand(HKV, device=DEV, generator=gen)).contiguous() for _ in range(2)]
     pools = [Int2Pool.empty(slots, HKV, D, device=DEV) for _ in range(2)]
     exact = [torch.empty(slots, HKV, D, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
-    head = ["variant"] + [f"bs{b} µs" for b in DECODE_BATCHES]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    rows = []
     for pair in (False, True):
         for bn, prec, nw in DECODE_VARIANTS:
             cells = []
@@ -80,16 +78,14 @@ def decode_main(args, commit: str) -> None:
                     print(f"block_n {bn} {prec} {nw} warps, bs{b}: {e}")
             how = "quantize_pack_kv (one launch)" if pair else "quantize_pack x2"
             name = f"{how}, block_n {bn}, {prec}, {nw} warps"
-            lines.append("| " + " | ".join([name, *cells]) + " |")
-            print(lines[-1], flush=True)
-    table = "\n".join(lines)
+            rows.append([name, *cells])
+            print(" | ".join(rows[-1]), flush=True)
+    table = markdown_table(["variant", *[f"bs{b} µs" for b in DECODE_BATCHES]], rows)
     print(table)
-    with open(args.results, "a") as f:
-        f.write(f"\n## quantize_pack, decode-step writes: {datetime.date.today()}, measured on "
-                f"{torch.cuda.get_device_name()}, commit {commit}\n\n"
-                f"Command: `{' '.join(['python'] + sys.argv)}`. K and V bf16 [bs, {HKV}, {D}] of one decode step, "
-                f"per-head fp32 rotations and clip tensors, INT2 codes into head-major pools plus the exact bf16 "
-                f"rows, scattered slots, CUDA-graph replay median.\n\n{table}\n")
+    append_section(args.results, "quantize_pack, decode-step writes", torch.cuda.get_device_name(), commit,
+                   f"K and V bf16 [bs, {HKV}, {D}] of one decode step, per-head fp32 rotations and clip tensors, INT2 "
+                   "codes into head-major pools plus the exact bf16 rows, scattered slots, CUDA-graph replay median.",
+                   table)
 
 
 def main() -> None:
@@ -130,17 +126,12 @@ def main() -> None:
     rows.append(("fused rotation + bf16 exact rows (defaults)", nbytes + exact.numel() * 2 + bloc.numel() * 8,
                  triton.testing.do_bench(with_exact, return_mode="median")))
     rows.append(("separate fp32 einsum + pack", nbytes, triton.testing.do_bench(separate, return_mode="median")))
-    lines = ["| variant | µs | GB/s (x read + slots written) |", "| --- | --- | --- |"]
-    for name, nb, ms in rows:
-        lines.append(f"| {name} | {ms * 1e3:.1f} | {nb / (ms * 1e-3) / 1e9:.0f} |")
-    table = "\n".join(lines)
+    table = markdown_table(["variant", "µs", "GB/s (x read + slots written)"],
+                           [[name, f"{ms * 1e3:.1f}", f"{nb / (ms * 1e-3) / 1e9:.0f}"] for name, nb, ms in rows])
     print(table)
-    with open(args.results, "a") as f:
-        f.write(f"\n## quantize_pack, 32k-token prefill: {datetime.date.today()}, measured on "
-                f"{torch.cuda.get_device_name()}, commit {commit}\n\n"
-                f"Command: `{' '.join(['python'] + sys.argv)}`. x bf16 [{N}, {HKV}, {D}], per-head fp32 rotation, "
-                f"per-head clip ratios as an fp32 device tensor, head-major pool, scattered slots, "
-                f"`triton.testing.do_bench` median.\n\n{table}\n")
+    append_section(args.results, "quantize_pack, 32k-token prefill", torch.cuda.get_device_name(), commit,
+                   f"x bf16 [{N}, {HKV}, {D}], per-head fp32 rotation, per-head clip ratios as an fp32 device tensor, "
+                   "head-major pool, scattered slots, `triton.testing.do_bench` median.", table)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from ..results_md import markdown_table
 from .spec import BASELINE, CONFIGS, ELEMENTS_PER_TOKEN, SGLANG_VERSION, BenchError, requests_at
 
 # ---------------------------------------------------------------------------------------------------- rendering
@@ -145,10 +146,7 @@ def profile_rows(records: list[dict]) -> list[list[str]]:
 
 
 def markdown(headers: Iterable[str], rows: list[list[str]]) -> str:
-    headers = list(headers)
-    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return markdown_table(headers, rows)
 
 
 def notes(records: list[dict]) -> list[str]:
