@@ -153,28 +153,6 @@ def _quantize_pack_rows(
 
 
 @triton.jit
-def _quantize_pack_kernel(
-    X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC,
-    n_tokens, clip_ratio, scale_eps,
-    stride_xn, stride_xh, stride_xd,
-    stride_rh, stride_rr, stride_rc,
-    stride_cs, stride_ch,
-    stride_ss, stride_sh,
-    stride_zs, stride_zh,
-    stride_bs, stride_bh,
-    HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
-    STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr,
-):
-    _quantize_pack_rows(tl.program_id(0), tl.program_id(1), X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC, n_tokens,
-                        clip_ratio, scale_eps, stride_xn, stride_xh, stride_xd, stride_rh, stride_rr, stride_rc,
-                        stride_cs, stride_ch, stride_ss, stride_sh, stride_zs, stride_zh, stride_bs, stride_bh,
-                        HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
-                        ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
-                        STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
-
-
-@triton.jit
 def _quantize_pack_kv_kernel(
     K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC, K_BF16, K_BLOC,
     K_n_tokens, K_clip_ratio, K_scale_eps,
@@ -197,7 +175,8 @@ def _quantize_pack_kv_kernel(
     STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr,
 ):
     """K and V of the same tokens in one launch: ``program_id(2)`` 0 writes K, 1 writes V (the two are independent,
-    so their programs run side by side instead of one launch after the other)."""
+    so their programs run side by side instead of one launch after the other). A single write launches it with a
+    grid of depth 1 (the V arguments then repeat the K ones and are never read)."""
     if tl.program_id(2) == 0:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC,
                             K_BF16, K_BLOC, K_n_tokens, K_clip_ratio, K_scale_eps, K_stride_xn, K_stride_xh,
@@ -302,7 +281,8 @@ def quantize_pack(
     n, hkv, _ = x.shape
     if n == 0:
         return
-    _quantize_pack_kernel[(triton.cdiv(n, block_n), hkv)](*args, BLOCK_N=block_n, **meta, num_warps=num_warps)
+    _quantize_pack_kv_kernel[(triton.cdiv(n, block_n), hkv, 1)](*args, *args, BLOCK_N=block_n, **meta,
+                                                                num_warps=num_warps)
 
 
 def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
@@ -365,8 +345,9 @@ def quantize_pack_kv(
     if n == 0:
         return
     if km != vm:
-        _quantize_pack_kernel[(triton.cdiv(n, block_n), hkv)](*ka, BLOCK_N=block_n, **km, num_warps=num_warps)
-        _quantize_pack_kernel[(triton.cdiv(n, block_n), hkv)](*va, BLOCK_N=block_n, **vm, num_warps=num_warps)
+        for a, m in ((ka, km), (va, vm)):
+            _quantize_pack_kv_kernel[(triton.cdiv(n, block_n), hkv, 1)](*a, *a, BLOCK_N=block_n, **m,
+                                                                        num_warps=num_warps)
         return
     _quantize_pack_kv_kernel[(triton.cdiv(n, block_n), hkv, 2)](*ka, *va, BLOCK_N=block_n, **km, num_warps=num_warps)
 

@@ -242,7 +242,7 @@ def test_log_parsers_read_sglang_and_plugin_lines():
 
 def test_trace_summary_splits_attention_gemm_and_other():
     ev = [("void flashinfer::BatchDecodeWithPagedKVCacheKernel<128>", "kernel", 2000.0),
-          ("_decode_int2_kernel", "kernel", 1000.0), ("_quantize_pack_kernel", "kernel", 500.0),
+          ("_decode_int2_kernel", "kernel", 1000.0), ("_quantize_pack_kv_kernel", "kernel", 500.0),
           ("_fwd_grouped_kernel_stage1", "kernel", 500.0),
           ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "kernel", 3000.0),
           ("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 1000.0),
