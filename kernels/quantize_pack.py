@@ -12,7 +12,8 @@ Packed layout (see :mod:`oscar_kernels.layout`): slot ``t = out_cache_loc[n]``; 
 shift ``2j``, ``j = 0..3``; ``scale[t, h, k]``, ``zero[t, h, k]`` fp16. Exact row ``bf16_out[bf16_loc[n], h, :]``
 bf16 ``[d]`` in natural element order, skipped where ``bf16_loc[n] < 0``.
 
-Kernel: one program per (block of tokens, KV head). The rotation is fused: the kernel computes the four
+Kernel: one program per (block of tokens, KV head, K or V): :func:`quantize_pack_kv` writes the K and the V rows of
+the same tokens in one launch, :func:`quantize_pack` one of them. The rotation is fused: the kernel computes the four
 column quarters ``x @ R[:, cols_j]`` with near-fp32 dot products (tf32x3 by default), so each quarter is already
 in the order its bit plane is packed in; min/max, the scale and the codes follow in registers and one
 ``d/4``-byte row per token is written. Per-head clip ratios are read from a device tensor inside the kernel, so
