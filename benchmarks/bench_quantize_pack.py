@@ -37,7 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 DECODE_BATCHES = (1, 8, 32, 64)
-DECODE_VARIANTS = [(16, "tf32x3", 4), (16, "tf32x3", 2), (16, "tf32", 4), (32, "tf32x3", 4), (64, "tf32x3", 4)]
+DECODE_VARIANTS = [(16, "tf32x3", 4), (16, "tf32x3", 2), (16, "tf32", 4), (32, "tf32x3", 4), (64, "tf32x3", 4),
+                   (1, "fma", 1), (1, "fma", 4), (4, "fma", 4), (16, "fma", 4)]
+"""(block_n, rot_precision, num_warps) of the decode-step sweep; ``fma``: CUDA-core multiply-adds, few rows."""
 
 
 def decode_main(args, commit: str) -> None:

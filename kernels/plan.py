@@ -227,6 +227,8 @@ class DecodePlan(_Plan):
         sm_scale: softmax scale (default ``1/sqrt(d)``).
         split_tokens, min_programs, min_split_tokens: the split policy's knobs
             (:func:`~oscar_kernels.decode_int2.split_policy`; defaults are the measured ones).
+        write_tuning: launch parameters of the step's K/V write (``block_n``, ``rot_precision``, ``num_warps`` of
+            :func:`~oscar_kernels.quantize_pack.quantize_pack_kv`; default its own).
         row_kernel, **tuning: passed to :func:`~oscar_kernels.decode_int2.decode_int2` (``block_n``,
             ``num_warps``, ...; defaults are the measured ones).
     """
@@ -234,7 +236,7 @@ class DecodePlan(_Plan):
     def __init__(self, pool: Int2KVPool, max_batch: int, max_seq_len: int, max_splits: int | None = None, *,
                  q_heads: int, sm_scale: float | None = None, row_kernel: bool | None = None,
                  split_tokens: int | None = None, min_programs: int | None = None,
-                 min_split_tokens: int = MIN_SPLIT_TOKENS, **tuning):
+                 min_split_tokens: int = MIN_SPLIT_TOKENS, write_tuning: dict | None = None, **tuning):
         super().__init__(pool, max_batch, max_seq_len, max_batch)
         if q_heads % pool.kv_heads:
             raise ValueError(f"q_heads {q_heads} must be a multiple of the pool's KV heads {pool.kv_heads}")
@@ -246,6 +248,7 @@ class DecodePlan(_Plan):
                                        max_splits, **self._policy_args).max_splits
         self.sm_scale = 1.0 / math.sqrt(pool.head_dim) if sm_scale is None else sm_scale
         self.tuning = tuning
+        self.write_tuning = dict(write_tuning or {})
         b = self._buffers
         b["qo_indptr"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))  # one token per sequence
         b["ext"].fill_(1)
@@ -288,7 +291,7 @@ class DecodePlan(_Plan):
         if self.index is None:
             raise RuntimeError("call plan() before run()")
         b, n = self._buffers, self.batch
-        self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["bf16_loc"][:n])
+        self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["bf16_loc"][:n], **self.write_tuning)
         return self.attend(layer, q, out)
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

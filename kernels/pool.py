@@ -117,7 +117,7 @@ class Int2KVPool:
     # ------------------------------------------------------------------------------------------------ writes
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               bf16_loc: torch.Tensor | None = None,
-              bf16_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+              bf16_out: tuple[torch.Tensor, torch.Tensor] | None = None, **tuning) -> None:
         """Rotate, clip, quantize, pack and scatter new tokens: one launch for K and V (``quantize_pack_kv``).
 
         Args:
@@ -126,6 +126,8 @@ class Int2KVPool:
             bf16_loc: optional int32/int64 ``[N]``: also store the rotated bf16 row at this exact row (``-1``: not).
             bf16_out: where ``bf16_loc`` points (default the layer's exact regions ``(k_bf16, v_bf16)``; a plan
                 passes its own scratch to get the chunk's rotated rows).
+            **tuning: launch parameters of :func:`~oscar_kernels.quantize_pack.quantize_pack_kv` (``block_n``,
+                ``rot_precision``, ``num_warps``).
         """
         c = self._layers[layer]
         ko, vo = (c.k_bf16, c.v_bf16) if bf16_out is None else bf16_out
@@ -133,7 +135,7 @@ class Int2KVPool:
             ko = vo = None
         quantize_pack_kv(k, v, c.rot_k, c.rot_v, c.clip_k, c.clip_v, (c.k.codes, c.k.scale, c.k.zero),
                          (c.v.codes, c.v.scale, c.v.zero), loc, self.group_size,
-                         bf16_out=None if ko is None else (ko, vo), bf16_loc=bf16_loc)
+                         bf16_out=None if ko is None else (ko, vo), bf16_loc=bf16_loc, **tuning)
 
     def write_exact(self, layer: int, bf16_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     rotated: bool = False) -> None:

@@ -78,6 +78,7 @@ def _quantize_pack_rows(
     stride_bs, stride_bh,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
+    ROT_FMA: tl.constexpr,
     STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr,
 ):
     """Block ``pid_n`` of tokens, KV head ``h``, of one of K or V (the body of both kernels below)."""
@@ -93,7 +94,22 @@ def _quantize_pack_rows(
     col0 = (offs_m // BQ) * GROUP_SIZE + offs_m % BQ
 
     x_rows = X + offs_n.to(tl.int64)[:, None] * stride_xn + h * stride_xh
-    if ROTATE:
+    if ROTATE and ROT_FMA:  # few rows (a decode step): fp32 multiply-adds on the CUDA cores, KB rows of R at a time
+        KB: tl.constexpr = 32 if HEAD_DIM >= 32 else HEAD_DIM
+        offs_k = tl.arange(0, KB)
+        y0 = tl.zeros([BLOCK_N, D4], tl.float32)
+        y1 = tl.zeros([BLOCK_N, D4], tl.float32)
+        y2 = tl.zeros([BLOCK_N, D4], tl.float32)
+        y3 = tl.zeros([BLOCK_N, D4], tl.float32)
+        for k0 in tl.static_range(0, HEAD_DIM, KB):
+            xk = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xd, mask=mask_n[:, None], other=0.0)
+            xk = xk.to(tl.float32)[:, :, None]
+            r_k = ROT + (h * stride_rh if ROT_PER_HEAD else 0) + (k0 + offs_k)[:, None] * stride_rr
+            y0 += tl.sum(xk * tl.load(r_k + (col0 + 0 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+            y1 += tl.sum(xk * tl.load(r_k + (col0 + 1 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+            y2 += tl.sum(xk * tl.load(r_k + (col0 + 2 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+            y3 += tl.sum(xk * tl.load(r_k + (col0 + 3 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+    elif ROTATE:
         x = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=mask_n[:, None], other=0.0).to(tl.float32)
         r_base = ROT + (h * stride_rh if ROT_PER_HEAD else 0) + offs_d[:, None] * stride_rr
         y0 = tl.dot(x, tl.load(r_base + (col0 + 0 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
@@ -173,6 +189,7 @@ def _quantize_pack_kv_kernel(
     V_stride_bs, V_stride_bh,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
+    ROT_FMA: tl.constexpr,
     STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr,
 ):
     """K and V of the same tokens in one launch: ``program_id(2)`` 0 writes K, 1 writes V (the two are independent,
@@ -185,7 +202,7 @@ def _quantize_pack_kv_kernel(
                             K_stride_sh, K_stride_zs, K_stride_zh, K_stride_bs, K_stride_bh,
                             HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
                             ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
-                            STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
+                            ROT_FMA=ROT_FMA, STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
     else:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC,
                             V_BF16, V_BLOC, V_n_tokens, V_clip_ratio, V_scale_eps, V_stride_xn, V_stride_xh,
@@ -193,7 +210,7 @@ def _quantize_pack_kv_kernel(
                             V_stride_sh, V_stride_zs, V_stride_zh, V_stride_bs, V_stride_bh,
                             HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
                             ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
-                            STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
+                            ROT_FMA=ROT_FMA, STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
 
 
 def _check_clip(clip: float | torch.Tensor | None, hkv: int) -> float | torch.Tensor:
@@ -273,8 +290,10 @@ def quantize_pack(
         bf16_out: optional bf16 ``[R, Hkv, d]`` exact rows: row ``bf16_loc[n]`` gets ``bf16(x'[n])``.
         bf16_loc: int32/int64 ``[N]`` (with ``bf16_out``): target row of each token, ``-1`` = do not store.
         block_n: tokens per program (``DEFAULT_BLOCK_N``).
-        rot_precision: Triton ``input_precision`` of the fused rotation on GPU (``DEFAULT_ROT_PRECISION``); the
-            interpreter always computes in fp32.
+        rot_precision: how the fused rotation multiplies on GPU: a Triton ``input_precision`` of its tensor-core
+            dots (``"tf32x3"``, the default ``DEFAULT_ROT_PRECISION``; ``"tf32"``, ``"ieee"``), or ``"fma"``: fp32
+            multiply-adds on the CUDA cores, for a few rows per program (a decode step's; use a small ``block_n``).
+            The interpreter always computes in fp32.
         num_warps: warps per program (``DEFAULT_WARPS``).
     """
     args, meta = _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
@@ -306,9 +325,12 @@ def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf
         *(c_t.stride()[:2] if store_codes else (0, 0)), *(s_t.stride()[:2] if store_codes else (0, 0)),
         *(z_t.stride()[:2] if store_codes else (0, 0)), *(b_t.stride()[:2] if store_bf16 else (0, 0)),
     ]
+    fma = rot_precision == "fma"
+    if not fma and rot_precision not in ("tf32x3", "tf32", "ieee"):
+        raise ValueError(f"rot_precision must be tf32x3, tf32, ieee or fma, got {rot_precision!r}")
     meta = dict(HEAD_DIM=d, GROUP_SIZE=g, ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1,
-                CLIP_PER_HEAD=per_head, PRECISION=rot_precision, STORE_CODES=store_codes, STORE_BF16=store_bf16,
-                MAX_CODE=LEVELS)
+                CLIP_PER_HEAD=per_head, PRECISION="ieee" if fma else rot_precision, ROT_FMA=fma,
+                STORE_CODES=store_codes, STORE_BF16=store_bf16, MAX_CODE=LEVELS)
     return args, meta
 
 

@@ -89,17 +89,19 @@ CASES = [  # scheme, hkv, gqa, d, prefill lengths, starts
 ]
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_prefill_then_decode_matches_design_p(case):
+@pytest.mark.parametrize("case,write", [(c, "default") for c in range(len(CASES))] + [(0, "fma")])
+def test_prefill_then_decode_matches_design_p(case, write):
     """One extend over three requests (scattered slots, request order != pool order, left padding), then decode steps
-    on the SAME plan buffers with new lengths each step (ring wrap-around included): every output is Design P."""
+    on the SAME plan buffers with new lengths each step (ring wrap-around included): every output is Design P. The
+    "fma" case writes the decode tokens through the CUDA-core rotation (``write_tuning``)."""
     scheme, hkv, gqa, d, lens, start = CASES[case]
     steps = 3
     eng = Engine(scheme, hkv, gqa, d, reqs=4, max_ctx=max(lens) + steps, seed=10 + case)
     reqs = [2, 0, 3]
     ext = ExtendPlan(eng.pool, 4, sum(lens), eng.max_ctx, **EXTEND_BLOCKS)
     _close(*eng.extend(ext, reqs, [0, 0, 0], lens, start))
-    dec = DecodePlan(eng.pool, 4, eng.max_ctx, q_heads=eng.hq, **SPLITS)
+    wt = dict(rot_precision="fma", block_n=1, num_warps=1) if write == "fma" else None
+    dec = DecodePlan(eng.pool, 4, eng.max_ctx, q_heads=eng.hq, write_tuning=wt, **SPLITS)
     ptrs = None
     for s in range(steps):
         n = [x + 1 + s for x in lens]

@@ -87,8 +87,10 @@ def test_kernel_prerotated_is_bit_exact(d, group, dtype):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("group", ["row", 32])
 @pytest.mark.parametrize("shared_rot", [False, True])
-def test_kernel_fused_rotation(d, group, shared_rot):
-    """Fused rotation: fp32 sums in another order, so a rare code may move by one at a rounding boundary."""
+@pytest.mark.parametrize("path", ["dot", "fma"])
+def test_kernel_fused_rotation(d, group, shared_rot, path):
+    """Fused rotation, through tensor-core dots or (``rot_precision="fma"``, few tokens per program) CUDA-core
+    multiply-adds: fp32 sums in another order, so a rare code may move by one at a rounding boundary."""
     g = d if group == "row" else group
     gen = torch.Generator().manual_seed(d * 3 + g + shared_rot)
     hkv, slots = 4, N_TOK + 5
@@ -99,7 +101,8 @@ def test_kernel_fused_rotation(d, group, shared_rot):
     got = _pools(slots, hkv, d, g, gen, head_major=True)
     assert got[0].stride(0) < got[0].stride(1)  # head-major storage
     want = tuple(t.clone() for t in got)
-    quantize_pack(x, rot, 0.75, *got, loc, g)
+    kw = dict(rot_precision="fma", block_n=4) if path == "fma" else {}
+    quantize_pack(x, rot, 0.75, *got, loc, g, **kw)
     quantize_pack_ref(x, rot, 0.75, *want, loc, g)
     lo = loc.long()
     cg, cw = unpack(got[0][lo], 2, g).int(), unpack(want[0][lo], 2, g).int()
@@ -238,3 +241,14 @@ def test_kv_pair_is_two_single_launches(case):
                            exp.view(torch.uint8) if exp.dtype != torch.uint8 else exp)  # NaNs compared as bytes
     with pytest.raises(ValueError, match="same shape"):
         quantize_pack_kv(k, v[:-1], rk, rv, ck, cv, pools[0], pools[1], loc, g)
+
+
+def test_unknown_rotation_precision_is_refused():
+    d, hkv = 64, 2
+    gen = torch.Generator().manual_seed(5)
+    x = _x(3, hkv, d, gen, torch.float32)
+    codes, scale, zero = _pools(4, hkv, d, d, gen)
+    with pytest.raises(ValueError, match="rot_precision must be tf32x3, tf32, ieee or fma"):
+        quantize_pack(x, random_rotation(hkv, d, gen), 1.0, codes, scale, zero,
+                      torch.arange(3, device=DEVICE), rot_precision="bf16")
+
