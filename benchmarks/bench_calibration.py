@@ -1,11 +1,12 @@
 """Calibration at scale: ``oscar collect`` then ``oscar fit`` on a random-weight model of a given architecture, timed.
 
-Usage: python benchmarks/bench_calibration.py --tokenizer DIR [--shape qwen3-8b | --config CONFIG_JSON]
+Usage: python benchmarks/bench_calibration.py --tokenizer DIR [--shape qwen3-8b|qwen3-8b-narrow | --config JSON]
        [--tokens 30000] [--seq-len 2048] [--batch-size 4] [--device cuda] [--store DIR] [--artifacts DIR]
        [--per-head] [--commit SHA] [--results benchmarks/RESULTS.md]
 
 The model is built from the architecture alone (``--shape qwen3-8b``: :data:`oscar_cli.bench.spec.QWEN3_8B_SHAPED`,
-36 layers, 32 query / 8 KV heads, d 128; or any ``config.json``) with random weights, bf16 on CUDA, fp32 on CPU:
+36 layers, 32 query / 8 KV heads, d 128; ``qwen3-8b-narrow``: the same attention on a narrow residual stream, see
+:data:`NARROW`; or any ``config.json``) with random weights, bf16 on CUDA, fp32 on CPU:
 calibration cost does not depend on weight values, and no checkpoint has to reach the machine. The calibration text
 is the built-in corpus, tokenized by ``--tokenizer`` (SmolLM2's will do: its ids are below any such vocabulary).
 
@@ -32,7 +33,11 @@ import torch
 from oscar_cli import code_version
 from oscar_cli.results_md import append_section, markdown_table
 
-SHAPES = {"qwen3-8b": "oscar_cli.bench.spec:QWEN3_8B_SHAPED"}
+NARROW = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 49152, "tie_word_embeddings": True,
+          "max_position_embeddings": 4096}
+"""``qwen3-8b-narrow``: Qwen3-8B's attention geometry (36 layers, 32 query / 8 KV heads, d 128: the statistics, the
+store and the fit have the 8B model's sizes) on a narrow residual stream, so a CPU machine runs the forward passes."""
+SHAPES = ("qwen3-8b", "qwen3-8b-narrow")
 
 
 def folder_bytes(path: Path) -> int:
@@ -44,7 +49,7 @@ def architecture(args) -> dict:
         return json.loads(Path(args.config).read_text())
     from oscar_cli.bench.spec import QWEN3_8B_SHAPED
 
-    return dict(QWEN3_8B_SHAPED)
+    return dict(QWEN3_8B_SHAPED) | (NARROW if args.shape == "qwen3-8b-narrow" else {})
 
 
 def random_loaded(arch: dict, tokenizer: Path, device: str):
@@ -146,7 +151,7 @@ def device_name(device: str) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", type=Path, required=True, help="tokenizer folder for the calibration text")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--shape", choices=SHAPES, default="qwen3-8b")
     ap.add_argument("--config", type=Path, default=None, help="a config.json instead of --shape")
     ap.add_argument("--tokens", type=int, default=30000)
     ap.add_argument("--seq-len", type=int, default=2048)
