@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import LayerCache, _interpreting, cached_rows_ref, check_index, check_query, check_seq
+from .layout import LayerCache, cached_rows_ref, check_index, check_query, check_seq, gpu_codegen
 
 DEFAULT_MIN_PROGRAMS = 128
 """General path: split programs aimed for at least (about one per SM of an H200), through the split policy's
@@ -835,7 +835,7 @@ def decode_int2(
         raise ValueError(f"workspace must be decode_workspace({bsz}, {hq}, {d}, {max_splits})")
     if bsz == 0:
         return out
-    fp32_dot = _interpreting() or q.device.type != "cuda"
+    fp32_dot = not gpu_codegen(q)
     k, v = cache.k, cache.v
     _rotate_q_kernel[(bsz, hkv)](
         q, cache.rot_k, q_rot, sm_scale * math.log2(math.e),

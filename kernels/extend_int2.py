@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .decode_int2 import dot_nt, exact_tile, softmax_step
-from .layout import LayerCache, _interpreting, check_index, check_query, check_seq, dequantize_ref
+from .layout import LayerCache, check_index, check_query, check_seq, dequantize_ref, gpu_codegen
 
 DEFAULT_BLOCK_M = 64
 """Rows of the M dimension per program: ``BLOCK_T = DEFAULT_BLOCK_M / GQA_P`` tokens times the padded GQA group
@@ -311,7 +311,7 @@ def extend_int2(
     if kr.stride(-1) != 1 or vr.stride(-1) != 1:
         raise ValueError("k_new/v_new must have a contiguous last dim")
     o_rot = torch.empty(n, hq, d, dtype=torch.float32, device=q.device)
-    fp32_dot = _interpreting() or q.device.type != "cuda"
+    fp32_dot = not gpu_codegen(q)
     block_h = triton.next_power_of_2(gqa)
     block_t = max(1, block_m // block_h)
     grid = (bsz, hkv, triton.cdiv(index.max_new_len, block_t))

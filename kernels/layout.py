@@ -63,6 +63,17 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+COMPILE_ONLY = False
+"""Set by :mod:`oscar_kernels.compile_check`: kernels are compiled for a GPU target from CPU tensors and never
+launched, so the launchers pick the code a CUDA tensor would get."""
+
+
+def gpu_codegen(t: torch.Tensor) -> bool:
+    """Whether a launch over ``t`` compiles the GPU variants (bf16/fp16 tensor-core dots, PTX unpacks): on a CUDA
+    tensor, or in a compile-only check; never under the interpreter."""
+    return not _interpreting() and (t.device.type == "cuda" or COMPILE_ONLY)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # packing (bits 2 and 4) and dequantisation
 

@@ -1,0 +1,137 @@
+"""Compile every kernel for a GPU target on a machine without one: ``python -m oscar_kernels.compile_check``.
+
+The Triton interpreter (what the CPU tests run) accepts code a GPU compile refuses, e.g. a ``tl.dot`` with an inner
+dimension under 16, and never builds the GPU-only variants (fp16/bf16 tensor-core dots, the PTX unpacks). This check
+drives the public API (``Int2KVPool``, ``ExtendPlan``, ``DecodePlan``, ``quantize_pack``) over CPU tensors with a
+compile-only Triton driver that reports the target (sm_90 by default): every launch compiles to a cubin through
+Triton's own pipeline (its bundled ``ptxas`` included) with the launch parameters a CUDA tensor would get
+(:data:`oscar_kernels.layout.COMPILE_ONLY`), and nothing runs. It prints one line per compiled kernel variant and
+exits 1 naming the first configuration that fails.
+
+Must run in a process where ``TRITON_INTERPRET`` is not set (the interpreter replaces the compiler) and no GPU
+driver has been initialised. Options: ``--arch 90``, ``--head-dims 16,64,128``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+class CompileOnlyDriver:
+    """The parts of a Triton driver that compiling needs: a target, device 0, stream 0. Nothing is launched."""
+
+    def __init__(self, arch: int = 90, warp_size: int = 32):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, warp_size)
+
+    def is_active(self) -> bool:
+        return True
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_benchmarker(self):
+        raise RuntimeError("a compile-only driver cannot time kernels")
+
+
+@contextmanager
+def compile_only(arch: int = 90) -> Iterator[list[tuple[str, float]]]:
+    """Within: Triton compiles each launch for ``sm_<arch>`` and skips running it; yields the list of
+    ``(kernel name, compile seconds)`` it fills."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter replaces the compiler this check exercises")
+    from triton.runtime import driver, jit
+
+    from . import layout
+
+    compiled: list[tuple[str, float]] = []
+    run = jit.JITFunction.run
+
+    def compile_launch(self, *args, grid, warmup, **kwargs):
+        t0 = time.perf_counter()
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, time.perf_counter() - t0))
+        return kernel
+
+    previous = getattr(driver, "_active", None)
+    driver.set_active(CompileOnlyDriver(arch))
+    jit.JITFunction.run = compile_launch
+    layout.COMPILE_ONLY = True
+    try:
+        yield compiled
+    finally:
+        jit.JITFunction.run = run
+        layout.COMPILE_ONLY = False
+        driver._active = previous  # reset_active() would look for a real driver, which this machine may not have
+
+
+def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
+    """One extend and one decode step of two requests through the pool and plans (every serving kernel), at
+    ``head_dim`` with its row group (``g = d``, the row-scale decode path) and, where ``d >= 64``, ``g = 32``."""
+    from .plan import DecodePlan, ExtendPlan
+    from .pool import Int2KVPool
+    from .scheme import QuantScheme
+
+    d, hq = head_dim, kv_heads * gqa
+    for g in (d, 32) if d >= 64 else (d,):
+        scheme = QuantScheme(group=g, sink=4, recent=8)
+        rot = torch.linalg.qr(torch.randn(1, kv_heads, d, d))[0].contiguous()
+        pool = Int2KVPool(scheme, 1, kv_heads, d, 256, 2, rot, rot.clone(), clip_k=0.9, clip_v=0.95)
+        r2t = torch.arange(256, dtype=torch.int32).view(2, 128)
+        i = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        ext = ExtendPlan(pool, 2, 64, 128)
+        ext.plan(r2t, i(0, 1), i(0, 10), i(40, 24), torch.cat([r2t[0, :40], r2t[1, 10:34]]))
+        ext.run(0, *(torch.randn(64, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        for row_kernel in (None, False):  # the default path for this group, and the general one (PTX unpacks at g = d)
+            dec = DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel)
+            dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
+            dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        dec.write_tuning = dict(rot_precision="fma", block_n=1, num_warps=1)
+        dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    ap.add_argument("--head-dims", default="16,64,128")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    with compile_only(args.arch) as compiled:
+        for d in (int(x) for x in args.head_dims.split(",")):
+            start = len(compiled)
+            try:
+                exercise(d)
+            except Exception as e:  # a compile error names the kernel and the line
+                last = str(e).strip().splitlines()
+                print(f"head dim {d}: does not compile for sm_{args.arch}: {type(e).__name__}: "
+                      f"{last[-1] if last else ''}", file=sys.stderr)
+                print(str(e), file=sys.stderr)
+                return 1
+            for name, s in compiled[start:]:
+                print(f"sm_{args.arch} head dim {d}: {name} ({s:.1f} s)")
+    print(f"{len(compiled)} launches compiled for sm_{args.arch}, none run")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
