@@ -5,8 +5,9 @@ dimension under 16, and never builds the GPU-only variants (fp16/bf16 tensor-cor
 drives the public API (``Int2KVPool``, ``ExtendPlan``, ``DecodePlan``, ``quantize_pack``) over CPU tensors with a
 compile-only Triton driver that reports the target (sm_90 by default): every launch compiles to a cubin through
 Triton's own pipeline (its bundled ``ptxas`` included) with the launch parameters a CUDA tensor would get
-(:data:`oscar_kernels.layout.COMPILE_ONLY`), and nothing runs. It prints one line per compiled kernel variant and
-exits 1 naming the first configuration that fails.
+(:data:`oscar_kernels.layout.COMPILE_ONLY`), and nothing runs. It prints one line per compiled kernel variant (with
+the cubin's registers and stack bytes per thread: spills show before any GPU run) and exits 1 naming the first
+configuration that fails.
 
 Must run in a process where ``TRITON_INTERPRET`` is not set (the interpreter replaces the compiler) and no GPU
 driver has been initialised. Options: ``--arch 90``, ``--head-dims 16,64,128``.
@@ -20,6 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -54,23 +56,69 @@ class CompileOnlyDriver:
         raise RuntimeError("a compile-only driver cannot time kernels")
 
 
+@dataclass
+class Compiled:
+    """One compiled launch: kernel, compile seconds, warps, stages, its compile-time parameters, and the cubin's
+    registers per thread and stack bytes per thread (spills; None where ``cuobjdump`` is not at hand)."""
+
+    name: str
+    seconds: float
+    warps: int
+    stages: int
+    constants: dict
+    registers: int | None
+    stack: int | None
+
+    def describe(self) -> str:
+        res = "" if self.registers is None else f", {self.registers} registers, {self.stack} B stack"
+        keys = " ".join(f"{k}={v}" for k, v in self.constants.items() if k in SHOWN)
+        return f"{self.name} ({self.seconds:.1f} s{res}; {self.warps} warps, {self.stages} stages; {keys})"
+
+
+SHOWN = ("HEAD_DIM", "GROUP_SIZE", "BLOCK_N", "BLOCK_T", "BLOCK_H", "PRECISION", "ROT_FMA", "QK_T", "MAGIC",
+         "PTX_UNPACK", "STORE_CODES", "STORE_BF16")
+"""Compile-time parameters shown per compiled variant."""
+
+
+def resource_usage(cubin: bytes | None) -> tuple[int | None, int | None]:
+    """(registers, stack bytes) per thread of a cubin, read with the ``cuobjdump`` Triton ships."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    if not cubin or not os.path.isfile(tool):
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    reg, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    return (int(reg.group(1)) if reg else None), (int(stack.group(1)) if stack else None)
+
+
 @contextmanager
-def compile_only(arch: int = 90) -> Iterator[list[tuple[str, float]]]:
+def compile_only(arch: int = 90) -> Iterator[list[Compiled]]:
     """Within: Triton compiles each launch for ``sm_<arch>`` and skips running it; yields the list of
-    ``(kernel name, compile seconds)`` it fills."""
+    :class:`Compiled` it fills."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter replaces the compiler this check exercises")
     from triton.runtime import driver, jit
 
     from . import layout
 
-    compiled: list[tuple[str, float]] = []
+    compiled: list[Compiled] = []
     run = jit.JITFunction.run
 
     def compile_launch(self, *args, grid, warmup, **kwargs):
         t0 = time.perf_counter()
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, time.perf_counter() - t0))
+        consts = {self.arg_names[k[0]]: v for k, v in kernel.src.constants.items()
+                  if isinstance(k, tuple) and self.arg_names[k[0]].isupper()}
+        compiled.append(Compiled(self.fn.__name__, time.perf_counter() - t0, kernel.metadata.num_warps,
+                                 kernel.metadata.num_stages, consts, *resource_usage(kernel.asm.get("cubin"))))
         return kernel
 
     previous = getattr(driver, "_active", None)
@@ -127,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{last[-1] if last else ''}", file=sys.stderr)
                 print(str(e), file=sys.stderr)
                 return 1
-            for name, s in compiled[start:]:
-                print(f"sm_{args.arch} head dim {d}: {name} ({s:.1f} s)")
-    print(f"{len(compiled)} launches compiled for sm_{args.arch}, none run")
+            for c in compiled[start:]:
+                print(f"sm_{args.arch} head dim {d}: {c.describe()}")
+    spilled = [c for c in compiled if c.stack]
+    print(f"{len(compiled)} launches compiled for sm_{args.arch}, none run; {len(spilled)} use stack (spills)")
     return 0
 
 
