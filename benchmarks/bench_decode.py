@@ -7,7 +7,8 @@ commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is
 ``Int2KVPool`` with 64 sinks and a 64-token recent window: ``ctx - 128`` INT2 tokens plus 128 exact rows, the shapes
 of the earlier tables (RESULTS.md, commits 529689a, dda96f4, dbd78bb). "INT2 µs" is ``DecodePlan.attend`` (the
 attention alone, comparable with those tables); "run µs" is ``DecodePlan.run`` (the new token's K/V written as INT2
-code + exact row by one ``quantize_pack_kv`` launch for K and V, then the attention).
+code + exact row by one ``quantize_pack_kv`` launch for K and V, then the attention); "run µs, fma write" the same
+with :data:`FMA_WRITE` as the plan's ``write_tuning``.
 """
 
 from __future__ import annotations
@@ -122,6 +123,10 @@ def sdpa_case(bs, ctx, gen):
     return make, 2 * k.numel() * 2 + 2 * q.numel() * 2
 
 
+FMA_WRITE = dict(rot_precision="fma", block_n=1, num_warps=1)
+"""The alternative decode write timed beside the default one: rotation by CUDA-core multiply-adds, one token per
+program (``quantize_pack_kv``'s ``rot_precision="fma"``)."""
+
 SWEEP = [  # (block_n, warps, stages, register cap; 0: none) of the row-scale kernel
     (128, 1, 1, 0), (128, 1, 1, 168), (128, 1, 1, 144), (128, 1, 1, 128), (64, 1, 1, 0), (64, 1, 1, 128),
     (128, 2, 1, 0),
@@ -180,9 +185,9 @@ def main() -> None:
         if args.sweep_only:
             return
     lines = [
-        "| bs | context | cuDNN BF16 µs | flash BF16 µs | INT2 µs | INT2 run µs (write + attention) | INT2 MB read | "
-        "INT2 GB/s | INT2 / best BF16 | INT2 frac of copy bw |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| bs | context | cuDNN BF16 µs | flash BF16 µs | INT2 µs | INT2 run µs (write + attention) | "
+        "run µs, fma write | INT2 MB read | INT2 GB/s | INT2 / best BF16 | INT2 frac of copy bw |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for bs, ctx in SHAPES:
         make, _ = sdpa_case(bs, ctx, gen)
@@ -193,10 +198,12 @@ def main() -> None:
         case = Int2Case(bs, ctx, gen)
         t = graph_us(case.fn())
         t_run = graph_us(case.run())
+        case.plan.write_tuning = dict(FMA_WRITE)
+        t_fma = graph_us(case.run())
         nbytes = case.bytes_read()
         gbs = nbytes / (t * 1e-6) / 1e9
         best = min(t_cudnn, t_flash)
-        lines.append(f"| {bs} | {ctx // 1024}k | {t_cudnn:.1f} | {t_flash:.1f} | {t:.1f} | {t_run:.1f} | "
+        lines.append(f"| {bs} | {ctx // 1024}k | {t_cudnn:.1f} | {t_flash:.1f} | {t:.1f} | {t_run:.1f} | {t_fma:.1f} | "
                      f"{nbytes / 1e6:.1f} | {gbs:.0f} | {t / best:.2f} | {gbs * 1e9 / bw:.2f} |")
         print(lines[-1], flush=True)
         del case
