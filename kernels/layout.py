@@ -68,6 +68,11 @@ COMPILE_ONLY = False
 launched, so the launchers pick the code a CUDA tensor would get."""
 
 
+def launchable(device: torch.device | str) -> bool:
+    """Whether kernels can run over tensors on ``device``: a CUDA device, or any under the interpreter."""
+    return torch.device(device).type == "cuda" or _interpreting()
+
+
 def gpu_codegen(t: torch.Tensor) -> bool:
     """Whether a launch over ``t`` compiles the GPU variants (bf16/fp16 tensor-core dots, PTX unpacks): on a CUDA
     tensor, or in a compile-only check; never under the interpreter."""

@@ -25,17 +25,17 @@ the same attention (Design P windows) up to bf16 rounding of the exact rows.
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from . import attention as attn
-from .cache_kernels import KernelLayer, KernelState, kernel_ready
+from .cache_kernels import KernelLayer, KernelState, kernel_ready, kernels_launchable
 from .config import QuantScheme
 from .errors import OscarError
 from .kvquant import LayerQuant, dequantize_rows, quantize_rows, quantized_count
 from .methods import Method, hf_backend
+from .models import attention_shape
 from .quantizer import QuantizedRows
 
 
@@ -203,12 +203,12 @@ class OscarCache(Cache):
             raise OscarError(f"unknown cache backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         dev = next(model.parameters()).device
         cfg = model.config
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        d = attention_shape(cfg).head_dim
         why = {i: kernel_ready(q, scheme, d) for i, q in enumerate(quants) if q is not None}
         if backend == "kernels" and any(why.values()):
             i = next(i for i, w in why.items() if w)
             raise OscarError(f"the kernel cache backend cannot run layer {i}: {why[i]}; use backend='reference'")
-        if backend == "kernels" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if backend == "kernels" and not kernels_launchable(dev):
             raise OscarError(f"the kernel cache backend runs on CUDA tensors and the model is on {dev}; move it to "
                              "CUDA, use backend='reference', or set TRITON_INTERPRET=1 before triton loads")
         use_kernels = bool(why) and not any(why.values()) and (backend == "kernels" or

@@ -7,8 +7,8 @@ Every row of the batch is one request of the pool: its position ``p`` lives at s
 * the first kernel layer to attend plans the step once for all layers (:class:`~oscar_kernels.DecodePlan` for one new
   token, :class:`~oscar_kernels.ExtendPlan` for a prefill or a chunk): index lists filled on the device from host
   integers only, no ``.tolist()``, no per-step copy of the cache, no re-rotation of exact rows;
-* each layer's ``attend`` runs ``plan.run``: the new tokens' INT2 codes and exact rows are written (one launch each for
-  K and V, per-KV-head clip ratios as a device tensor) and the attention reads the pool directly.
+* each layer's ``attend`` runs ``plan.run``: the new tokens' INT2 codes and exact rows are written (one launch for K
+  and V, per-KV-head clip ratios as a device tensor) and the attention reads the pool directly.
 
 The attention is Design P (see :mod:`oscar_kernels.extend_int2`), the same position-wise windows as the reference
 path and as ``oscar eval``'s teacher-forced attention, so both backends give the same outputs up to the kernels'
@@ -24,6 +24,7 @@ import torch
 
 from .config import QuantScheme
 from .kvquant import LayerQuant
+from .models import attention_shape
 
 MIN_CAPACITY = 256
 """Smallest per-row slot capacity allocated (then doubled as the sequence grows)."""
@@ -38,6 +39,13 @@ def kernel_ready(lq: LayerQuant | None, scheme: QuantScheme, head_dim: int) -> s
     if lq.bits != 2:
         return f"{lq.bits}-bit codes"
     return scheme.kernel_support(head_dim)
+
+
+def kernels_launchable(device) -> bool:
+    """Whether the kernel backend can run on ``device`` (CUDA, or anything under ``TRITON_INTERPRET=1``)."""
+    from oscar_kernels.layout import launchable
+
+    return launchable(device)
 
 
 def _stack_rot(quants: list[LayerQuant], which: str, d: int) -> torch.Tensor:
@@ -63,9 +71,8 @@ class KernelState:
         self.layer_of = {i: j for j, i in enumerate(sorted(quants))}
         self.quants = [quants[i] for i in sorted(quants)]
         self.scheme = scheme
-        self.kv_heads = config.num_key_value_heads
-        self.q_heads = config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = attention_shape(config)
+        self.kv_heads, self.q_heads, self.head_dim = shape.n_kv_heads, shape.n_heads, shape.head_dim
         self.pool = None
         self.capacity = 0
         self.batch = 0

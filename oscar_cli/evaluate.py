@@ -76,7 +76,9 @@ def _set_sdpa(model) -> None:
 
 
 def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    from .models import attention_shape
+
+    return attention_shape(config).head_dim
 
 
 def prepare(model, method: Method, scheme: QuantScheme, artifact=None) -> Prepared:
@@ -617,13 +619,13 @@ def sglang_meta(base: str) -> dict:
 
 
 def perplexity_via_server(info: ServerInfo, windows: torch.Tensor, advance: Callable[[], None] | None = None) -> float:
-    """``oscar_ppl`` from the server's prompt logprobs (``echo`` + ``logprobs``, no new tokens): each window
-    ``[L]`` of token ids contributes the logprobs of its tokens 1..L-1."""
+    """``oscar_ppl`` from the server's prompt logprobs (``echo`` + ``logprobs``; the one new token asked for is not
+    counted): each window ``[L]`` of token ids contributes the logprobs of its tokens 1..L-1."""
     nll, count = 0.0, 0
     for w in windows:
         out = _http("POST", f"{info.url}/v1/completions", {
             "model": info.model_id, "prompt": w.tolist(), "max_tokens": 1, "echo": True, "logprobs": 1,
-            "temperature": 0.0})  # SGLang refuses max_tokens 0; the one new token is not counted
+            "temperature": 0.0})  # SGLang refuses max_tokens 0
         lps = out["choices"][0]["logprobs"]["token_logprobs"][1: w.numel()]
         if len(lps) != w.numel() - 1 or any(x is None for x in lps):
             raise EvalError(f"server {info.url} returned {len(lps)} prompt logprobs for a {w.numel()}-token window; "
