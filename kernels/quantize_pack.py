@@ -298,11 +298,16 @@ def quantize_pack(
     """
     args, meta = _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
                               rot_precision)
-    n, hkv, _ = x.shape
-    if n == 0:
-        return
-    _quantize_pack_kv_kernel[(triton.cdiv(n, block_n), hkv, 1)](*args, *args, BLOCK_N=block_n, **meta,
-                                                                num_warps=num_warps)
+    _launch(x.shape, args, args, meta, block_n, num_warps)
+
+
+def _launch(shape, ka: list, va: list, meta: dict, block_n: int, num_warps: int) -> None:
+    """One launch over ``[N, Hkv, d]`` rows: K programs, and V programs unless ``va`` is ``ka`` (a single write
+    repeats its arguments and gets a grid of depth 1)."""
+    n, hkv, _ = shape
+    if n:
+        grid = (triton.cdiv(n, block_n), hkv, 1 if va is ka else 2)
+        _quantize_pack_kv_kernel[grid](*ka, *va, BLOCK_N=block_n, **meta, num_warps=num_warps)
 
 
 def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
@@ -364,15 +369,11 @@ def quantize_pack_kv(
                           rot_precision)
     va, vm = _launch_args(v, rot_v, clip_v, *(v_slots or (None, None, None)), out_cache_loc, group_size, vo, bf16_loc,
                           rot_precision)
-    n, hkv, _ = k.shape
-    if n == 0:
-        return
-    if km != vm:
-        for a, m in ((ka, km), (va, vm)):
-            _quantize_pack_kv_kernel[(triton.cdiv(n, block_n), hkv, 1)](*a, *a, BLOCK_N=block_n, **m,
-                                                                        num_warps=num_warps)
-        return
-    _quantize_pack_kv_kernel[(triton.cdiv(n, block_n), hkv, 2)](*ka, *va, BLOCK_N=block_n, **km, num_warps=num_warps)
+    if km == vm:
+        _launch(k.shape, ka, va, km, block_n, num_warps)
+    else:
+        _launch(k.shape, ka, ka, km, block_n, num_warps)
+        _launch(k.shape, va, va, vm, block_n, num_warps)
 
 
 def quantize_pack_ref(
