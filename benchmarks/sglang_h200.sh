@@ -9,17 +9,17 @@
 #                bash benchmarks/sglang_h200.sh prepare     # .whl/sgl (SGLang archive), .whl/h200/{gguf.00,gguf.01,artifact,commit}
 #   GPU call 1:  bash benchmarks/sglang_h200.sh gpu         carry: .whl/sgl
 #   GPU call 2:  bash benchmarks/sglang_h200.sh gpu         carry: .whl/h200/gguf.00
-#   GPU call 3:  bash benchmarks/sglang_h200.sh gpu [STEP]  carry: .whl/h200/gguf.01 .whl/h200/artifact .whl/h200/commit
-#   (each call within the 10-minute command limit: call 3 starts SGLang four times, ~1-2 min each once compile
-#   caches are warm, and runs the transformers engine twice; if it runs out, the same call with STEP = serve, then
-#   capacity)
+#   GPU call 3:  bash benchmarks/sglang_h200.sh gpu         carry: .whl/h200/gguf.01 .whl/h200/artifact .whl/h200/commit
+#   (call 3 starts SGLang twice, ~1-2 min each once compile caches are warm, and runs the transformers engine
+#   twice: give it most of a 10-minute command)
 #
-# Each `gpu` call stages what it was given and runs the driver once everything is there (STEP: all, serve,
-# capacity; default all). The driver appends its tables to benchmarks/RESULTS.md; bring that file back from $OUT.
+# Each `gpu` call stages what it was given and runs the driver (step `serve`) once everything is there. The driver
+# appends its tables to benchmarks/RESULTS.md; bring that file back from $OUT. KV capacity at Qwen3-8B shapes is
+# `oscar bench`'s (benchmarks/bench_e2e.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=/tmp/oscar-h200
-mode=${1:?usage: benchmarks/sglang_h200.sh prepare | gpu [STEP]}
+mode=${1:?usage: benchmarks/sglang_h200.sh prepare | gpu}
 
 if [ "$mode" = prepare ]; then
   mkdir -p .git/info .whl/h200
@@ -68,19 +68,9 @@ fi
 # the plugin as an installed distribution: oscar_cli + oscar_kernels (kernels/) and its entry point, nothing else of
 # the checkout on sys.path (the top-level kernels/ folder would shadow the PyPI package `kernels` SGLang imports)
 SITE=$STAGE/site
-rm -rf "$SITE" && mkdir -p "$SITE/oscar_kv-0.1.0.dist-info"
-ln -s "$PWD/oscar_cli" "$SITE/oscar_cli"
-ln -s "$PWD/kernels" "$SITE/oscar_kernels"
-python3 - "$SITE/oscar_kv-0.1.0.dist-info" <<'PY'
-import sys, tomllib
-from pathlib import Path
-meta = tomllib.loads(Path("pyproject.toml").read_text())["project"]
-out = Path(sys.argv[1])
-(out / "METADATA").write_text(f"Metadata-Version: 2.1\nName: oscar-kv\nVersion: {meta['version']}\n")
-(out / "top_level.txt").write_text("oscar_cli\noscar_kernels\n")
-eps = meta["entry-points"]["sglang.srt.plugins"]
-(out / "entry_points.txt").write_text("[sglang.srt.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
-PY
+rm -rf "$SITE"
+python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from bench_e2e import plugin_site; plugin_site(sys.argv[1])' \
+  "$SITE"
 
 # the converted SmolLM2 folder, with the image's own transformers (as the CPU side converted it: same fingerprint;
 # SGLang's site, with transformers 5.12.1 and gguf, when the image cannot)
@@ -103,7 +93,7 @@ if python3 -c 'import pytest' 2>/dev/null; then
     echo "test_sglang_live failed (see $STAGE/sglang_live.log); running the measurements anyway" >&2
   tail -n 3 "$STAGE/sglang_live.log"
 fi
-python3 benchmarks/sglang_h200.py "${2:-all}" --model "$MODEL" --artifact "$STAGE/artifact" --store "$STORE" \
+python3 benchmarks/sglang_h200.py serve --model "$MODEL" --artifact "$STAGE/artifact" --store "$STORE" \
   --work "$STAGE/work"
 mkdir -p "${OUT:-$STAGE/out}" && cp benchmarks/RESULTS.md "${OUT:-$STAGE/out}/RESULTS.md"
 cp "$STAGE"/work/*.log "$STAGE"/sglang_live.log "${OUT:-$STAGE/out}/" 2>/dev/null || true

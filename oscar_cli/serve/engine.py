@@ -55,12 +55,14 @@ class EngineStopped(EngineError):
 class KVSetup:
     """A model in its serving state. ``new_cache()`` returns a fresh cache for one request, ``cache_kwarg`` the
     keyword that passes it to ``forward``; ``method`` is the method label; ``scheme`` is the artifact's
-    ``QuantScheme.to_dict()`` (None for ``bf16``)."""
+    ``QuantScheme.to_dict()`` (None for ``bf16``); ``prepared`` is the :class:`oscar_cli.evaluate.Prepared` state
+    the caches are built from (what ``oscar eval``'s perplexity takes)."""
 
     method: str
     scheme: dict | None
     new_cache: Callable[[], object]
     cache_kwarg: str
+    prepared: object
 
 
 def kv_setup(model, artifact) -> KVSetup:
@@ -86,7 +88,7 @@ def kv_setup(model, artifact) -> KVSetup:
         return make_cache(model, prep.method, prep.quants, prep.scheme)
 
     shown = None if artifact is None else scheme.to_dict()
-    return KVSetup(method.label, shown, new_cache, cache_kwarg(model))
+    return KVSetup(method.label, shown, new_cache, cache_kwarg(model), prep)
 
 
 # ----------------------------------------------------------------------------------------------------------------

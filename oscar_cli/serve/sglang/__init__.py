@@ -84,10 +84,11 @@ arguments use ``Hkv/tp`` heads. A TP size that does not divide the KV heads (or 
 (``ServerArgs.check_server_args`` AFTER hook) and again where the scheduler builds the pool.
 
 ``launch.build_launch`` builds the server command and environment; ``benchmarks/sglang_h200.sh`` is the GPU run.
-Nothing here has run on a GPU or in a serving SGLang yet: the contract, pool, backend and prefix-caching logic are
-tested on CPU against the 0.5.17 source and the kernels' interpreter, and ``tests/serve/test_sglang_live.py`` drives
-the plugin through SGLang's own code where SGLang is importable (it was, on CPU, from a site of its pinned
-dependencies).
+Served on an H200 in unmodified SGLang 0.5.17 (``benchmarks/RESULTS.md``: SmolLM2 with a per-head artifact and
+CUDA graphs, a shared prefix reused through anchors, KV capacity at Qwen3-8B shapes); the greedy comparison against
+the project's own cache path has not run there yet. On CPU the contract, pool, backend and prefix-caching logic are
+tested against the 0.5.17 source and the kernels' interpreter, and ``tests/serve/test_sglang_live.py`` drives the
+plugin through SGLang's own code where SGLang is importable.
 """
 
 from __future__ import annotations
