@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +25,7 @@ from oscar_kernels.scheme import QuantScheme
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from oscar_cli import code_version
+from oscar_cli.results_md import append_section, markdown_table
 
 HQ, HKV, D = 32, 8, 128  # Qwen3-8B attention
 SINK, RECENT = 64, 64
@@ -50,13 +49,16 @@ def graph_us(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
-def _fill_random(cache: LayerCache, gen: torch.Generator) -> None:
+def fill_random(cache: LayerCache, gen: torch.Generator) -> None:
+    """Random codes, scales, zeros and exact rows in every slot of a layer (speed does not depend on values; the
+    benchmarks never read zeros). ``gen`` lives on the cache's device."""
     for p in (cache.k, cache.v):
-        p.codes.copy_(torch.randint(0, 256, p.codes.shape, dtype=torch.uint8, device=DEV, generator=gen))
-        p.scale.copy_((torch.rand(p.scale.shape, device=DEV, generator=gen) * 0.1 + 0.01).half())
-        p.zero.copy_((torch.randn(p.zero.shape, device=DEV, generator=gen) * 0.1).half())
+        dev = p.codes.device
+        p.codes.copy_(torch.randint(0, 256, p.codes.shape, dtype=torch.uint8, device=dev, generator=gen))
+        p.scale.copy_((torch.rand(p.scale.shape, device=dev, generator=gen) * 0.1 + 0.01).half())
+        p.zero.copy_((torch.randn(p.zero.shape, device=dev, generator=gen) * 0.1).half())
     for t in (cache.k_bf16, cache.v_bf16):
-        t.copy_(torch.randn(t.shape, device=DEV, dtype=torch.bfloat16, generator=gen))
+        t.copy_(torch.randn(t.shape, device=t.device, dtype=torch.bfloat16, generator=gen))
 
 
 class Int2Case:
@@ -69,7 +71,7 @@ class Int2Case:
         rot = torch.linalg.qr(torch.randn(2, HKV, D, D, device=DEV, generator=gen))[0].contiguous()
         self.pool = Int2KVPool(QuantScheme(group=0, sink=SINK, recent=RECENT), 1, HKV, D, bs * ctx, bs,
                                rot[:1], rot[1:], device=DEV)
-        _fill_random(self.pool.layer(0), gen)
+        fill_random(self.pool.layer(0), gen)
         self.cache = self.pool.layer(0)
         if not head_major:
             c = self.cache
@@ -184,11 +186,9 @@ def main() -> None:
         sweep(gen, [(1, 8192), (1, 131072), (8, 32768), (16, 131072)])
         if args.sweep_only:
             return
-    lines = [
-        "| bs | context | cuDNN BF16 µs | flash BF16 µs | INT2 µs | INT2 run µs (write + attention) | "
-        "run µs, fma write | INT2 MB read | INT2 GB/s | INT2 / best BF16 | INT2 frac of copy bw |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    head = ["bs", "context", "cuDNN BF16 µs", "flash BF16 µs", "INT2 µs", "INT2 run µs (write + attention)",
+            "run µs, fma write", "INT2 MB read", "INT2 GB/s", "INT2 / best BF16", "INT2 frac of copy bw"]
+    rows = []
     for bs, ctx in SHAPES:
         make, _ = sdpa_case(bs, ctx, gen)
         t_cudnn = graph_us(make(SDPBackend.CUDNN_ATTENTION))
@@ -203,22 +203,18 @@ def main() -> None:
         nbytes = case.bytes_read()
         gbs = nbytes / (t * 1e-6) / 1e9
         best = min(t_cudnn, t_flash)
-        lines.append(f"| {bs} | {ctx // 1024}k | {t_cudnn:.1f} | {t_flash:.1f} | {t:.1f} | {t_run:.1f} | {t_fma:.1f} | "
-                     f"{nbytes / 1e6:.1f} | {gbs:.0f} | {t / best:.2f} | {gbs * 1e9 / bw:.2f} |")
-        print(lines[-1], flush=True)
+        rows.append([bs, f"{ctx // 1024}k", f"{t_cudnn:.1f}", f"{t_flash:.1f}", f"{t:.1f}", f"{t_run:.1f}",
+                     f"{t_fma:.1f}", f"{nbytes / 1e6:.1f}", f"{gbs:.0f}", f"{t / best:.2f}", f"{gbs * 1e9 / bw:.2f}"])
+        print(" | ".join(map(str, rows[-1])), flush=True)
         del case
         torch.cuda.empty_cache()
-    table = "\n".join(lines)
+    table = markdown_table(head, rows)
     print(table)
-    cmd = " ".join(["python"] + sys.argv)
-    with open(args.results, "a") as f:
-        f.write(f"\n## Decode, {args.label}: {datetime.date.today()}, measured on {torch.cuda.get_device_name()}, "
-                f"commit {commit}\n\nCommand: `{cmd}`. Copy bandwidth measured in the same run: {bw / 1e9:.0f} GB/s "
-                f"(read+write). Qwen3-8B shapes (32 q heads, 8 KV heads, d 128), INT2 at g = d = 128 "
-                f"(2.25 bits/element) + {BF16_TOKENS} exact rows per sequence (sink {SINK}, recent {RECENT}), "
-                f"`DecodePlan` over an `Int2KVPool` (head-major), CUDA-graph replay median; cuDNN and flash BF16 "
-                f"measured in the same run.\n\n{table}\n")
-
+    append_section(args.results, f"Decode, {args.label}", torch.cuda.get_device_name(), commit,
+                   f"Copy bandwidth measured in the same run: {bw / 1e9:.0f} GB/s (read+write). Qwen3-8B shapes (32 q "
+                   f"heads, 8 KV heads, d 128), INT2 at g = d = 128 (2.25 bits/element) + {BF16_TOKENS} exact rows per "
+                   f"sequence (sink {SINK}, recent {RECENT}), `DecodePlan` over an `Int2KVPool` (head-major), "
+                   "CUDA-graph replay median; cuDNN and flash BF16 measured in the same run.", table)
 
 if __name__ == "__main__":
     main()

@@ -28,6 +28,7 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
+from bench_decode import fill_random  # a sibling script: benchmarks/ is sys.path[0]
 from oscar_kernels import ExtendPlan, Int2KVPool, extend_int2
 from oscar_kernels.scheme import QuantScheme
 
@@ -47,13 +48,7 @@ def setup(prefix: int, chunk: int, gen: torch.Generator):
     ctx = prefix + chunk
     rot = torch.linalg.qr(torch.randn(1, HKV, D, D, device=DEV, generator=gen))[0].contiguous()
     pool = Int2KVPool(scheme, 1, HKV, D, ctx, 1, rot, rot.clone(), device=DEV)
-    c = pool.layer(0)
-    for p in (c.k, c.v):
-        p.codes.copy_(torch.randint(0, 256, p.codes.shape, dtype=torch.uint8, device=DEV, generator=gen))
-        p.scale.copy_((torch.rand(p.scale.shape, device=DEV, generator=gen) * 0.1 + 0.01).half())
-        p.zero.copy_((torch.randn(p.zero.shape, device=DEV, generator=gen) * 0.1).half())
-    for t in (c.k_bf16, c.v_bf16):
-        t.copy_(torch.randn(t.shape, device=DEV, generator=gen).to(torch.bfloat16))
+    fill_random(pool.layer(0), gen)
     req_to_token = torch.arange(ctx, dtype=torch.int32, device=DEV)[None]
     plan = ExtendPlan(pool, 1, chunk, ctx)
     one = torch.ones(1, dtype=torch.int32, device=DEV)
