@@ -17,7 +17,11 @@ KINDS = ("q", "k", "v", "s", "o")
 
 
 class StatsAccumulator:
-    """Float64 streaming second moments per (layer, kv head, kind). Pure torch; no model or I/O."""
+    """Float64 streaming second moments per (layer, kv head, kind). Pure torch; no model or I/O.
+
+    The accumulators live where the rows come from: the first :meth:`update` moves them to its tensors' device (a
+    CUDA model's statistics accumulate on the GPU), and what leaves the accumulator (:meth:`as_rows`,
+    :meth:`digest`) is read back to the CPU."""
 
     def __init__(self, shape: AttentionShape, skip: int = 0):
         self.shape = shape
@@ -27,8 +31,24 @@ class StatsAccumulator:
         self.count = {k: torch.zeros(L, H, dtype=torch.float64) for k in KINDS}
         self.weight = {k: torch.zeros(L, H, dtype=torch.float64) for k in KINDS}
 
+    @property
+    def device(self) -> torch.device:
+        return self.sums[KINDS[0]].device
+
+    def to(self, device: torch.device | str) -> StatsAccumulator:
+        """Move every accumulator to ``device`` (in place; returns self)."""
+        for d in (self.sums, self.count, self.weight):
+            for kind in d:
+                d[kind] = d[kind].to(device)
+        return self
+
+    def _host(self) -> tuple[dict, dict, dict]:
+        return tuple({k: t.cpu() for k, t in d.items()} for d in (self.sums, self.count, self.weight))
+
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> None:
         """q, o: ``[B, n_heads, T, d]``; k, v: ``[B, n_kv_heads, T, d]`` (post-RoPE, any float dtype)."""
+        if q.device != self.device:
+            self.to(q.device)
         s = self.skip
         H, G, d = self.shape.n_kv_heads, self.shape.group, self.shape.head_dim
         # -> per kv head rows [H, N, d] in float64
@@ -52,14 +72,15 @@ class StatsAccumulator:
         return self.sums[kind] / den.clamp_min(1e-300)[..., None, None]
 
     def as_rows(self) -> dict:
+        sums, count, weight = self._host()
         out = {}
         for kind in KINDS:
             for layer in range(self.shape.n_layers):
                 for h in range(self.shape.n_kv_heads):
                     out[(layer, h, kind)] = (
-                        self.count[kind][layer, h].item(),
-                        self.weight[kind][layer, h].item(),
-                        self.sums[kind][layer, h].numpy(),
+                        count[kind][layer, h].item(),
+                        weight[kind][layer, h].item(),
+                        sums[kind][layer, h].numpy(),
                     )
         return out
 
@@ -71,9 +92,10 @@ class StatsAccumulator:
     def digest(self) -> str:
         """sha256 over every accumulator (counts, weights, sums), in a fixed order: identifies the statistics an
         artifact was fitted from (equal for a resumed and an uninterrupted run)."""
+        sums, count, weight = self._host()
         h = hashlib.sha256()
         for kind in KINDS:
-            for t in (self.count[kind], self.weight[kind], self.sums[kind]):
+            for t in (count[kind], weight[kind], sums[kind]):
                 h.update(np.ascontiguousarray(t.numpy(), dtype=np.float64).tobytes())
         return "sha256:" + h.hexdigest()
 

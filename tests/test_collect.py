@@ -66,6 +66,19 @@ def test_accumulator_round_trips_through_rows():
         assert torch.equal(other.weight[kind], acc.weight[kind])
 
 
+def test_accumulators_follow_the_rows_device():
+    """A CUDA model's rows accumulate on the GPU: the first update moves the accumulators to the rows' device
+    (``meta`` stands in for CUDA on a CPU machine; with the accumulators left on the CPU this update raises the
+    device mismatch a CUDA collect hit), and the rows read back to the CPU equal a CPU run's."""
+    acc = StatsAccumulator(SHAPE)
+    acc.update(0, *(t.to("meta") for t in _batch(1)))
+    assert {t.device.type for d in (acc.sums, acc.count, acc.weight) for t in d.values()} == {"meta"}
+    cpu, moved = StatsAccumulator(SHAPE), StatsAccumulator(SHAPE).to("cpu")
+    cpu.update(1, *_batch(2))
+    moved.update(1, *_batch(2))
+    assert cpu.digest() == moved.digest()
+
+
 def test_reservoir_keeps_the_smallest_priorities_whatever_the_batching():
     r = Reservoir(size=20, seed=5)
     kept = []
