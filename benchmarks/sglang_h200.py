@@ -189,21 +189,40 @@ def server_perplexity(srv: Server, work: Path) -> float:
 
 
 def step_serve(args, work: Path) -> str:
-    """Greedy outputs and the shared-prefix runs, one server start per backend (oscar, then the triton control)."""
+    """Greedy outputs and the shared-prefix runs, one server start per backend (oscar, then the triton control),
+    then the project's engine with and without the artifact. Every result is saved in ``WORK/serve.json`` as soon as
+    it exists, and a re-run of the step (same ``--work``) skips what is there: a step cut short by its time limit
+    keeps what it measured and the next run finishes it."""
+    state_path = work / "serve.json"
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+
+    def keep(key, fn, *fn_args):
+        if key not in state:
+            state[key] = fn(*fn_args)
+            tmp = state_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state))
+            tmp.replace(state_path)
+        return state[key]
+
     path, prompts, prefix, suffixes = make_prompts(args.model, work)
     reqs = [prefix + s for s in suffixes]
-    got, runs, ppl = {}, {}, {}
     for backend, art in (("oscar", args.artifact), ("triton", None)):
+        if all(f"{backend}/{k}" in state for k in ("outputs", "prefix", "ppl")):
+            continue
         srv = start(backend, args.model, args.port, work, art)
         try:
-            got[backend] = [generate(srv, p)["output_ids"] for p in prompts]
-            runs[backend] = prefix_protocol(srv, reqs)
-            ppl[backend] = server_perplexity(srv, work)
+            keep(f"{backend}/outputs", lambda s: [generate(s, p)["output_ids"] for p in prompts], srv)
+            keep(f"{backend}/prefix", prefix_protocol, srv, reqs)
+            keep(f"{backend}/ppl", server_perplexity, srv, work)
         finally:
             srv.stop()
     for name, art in (("oscar-cache", args.artifact), ("bf16", None)):
-        res = engine_outputs(args.model, args.store, art, path, work / f"engine-{name}.json")
-        got[name], ppl[name] = res["outputs"], res["ppl_decode"]
+        keep(f"{name}/engine", engine_outputs, args.model, args.store, art, path, work / f"engine-{name}.json")
+    got = {b: state[f"{b}/outputs"] for b in ("oscar", "triton")}
+    got.update({n: state[f"{n}/engine"]["outputs"] for n in ("oscar-cache", "bf16")})
+    ppl = {b: state[f"{b}/ppl"] for b in ("oscar", "triton")}
+    ppl.update({n: state[f"{n}/engine"]["ppl_decode"] for n in ("oscar-cache", "bf16")})
+    runs = {b: state[f"{b}/prefix"] for b in ("oscar", "triton")}
     rows = [f"Greedy completions of {NEW_TOKENS} tokens (EOS ignored) of held-out prompts: SGLang with the oscar "
             "backend against the project's transformers path with OscarCache (same model and artifact), and as the "
             "control SGLang's triton BF16 backend against transformers BF16.", "",

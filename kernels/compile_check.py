@@ -10,7 +10,7 @@ the cubin's registers and stack bytes per thread: spills show before any GPU run
 configuration that fails.
 
 Must run in a process where ``TRITON_INTERPRET`` is not set (the interpreter replaces the compiler) and no GPU
-driver has been initialised. Options: ``--arch 90``, ``--head-dims 16,64,128``.
+driver has been initialised. Options: ``--arch 90``, ``--head-dims 16,32,64,128``.
 """
 
 from __future__ import annotations
@@ -154,14 +154,14 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
             dec = DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel)
             dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
             dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
-        dec.write_tuning = dict(rot_precision="fma", block_n=1, num_warps=1)
+        dec.write_tuning = {}  # the write with quantize_pack_kv's own (prefill) parameters
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
-    ap.add_argument("--head-dims", default="16,64,128")
+    ap.add_argument("--head-dims", default="16,32,64,128")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     with compile_only(args.arch) as compiled:

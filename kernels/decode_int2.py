@@ -409,11 +409,25 @@ def _decode_rows_kernel(
 
 
 @triton.jit
-def dot_nt(a, b):
-    """``a [M, K] . b [N, K]^T`` -> [M, N] fp32. Tensor-core ``tl.dot`` needs K >= 16; the quarters of head dims
-    under 64 (K = d/4 < 16) multiply and sum on the CUDA cores instead."""
+def _pad_k(x):
+    """``[M, K] -> [M, 2K]``, each element followed by a zero: a dot product over the padded K of two operands padded
+    alike equals the one over K."""
+    return tl.reshape(tl.join(x, tl.zeros_like(x)), (x.shape[0], 2 * x.shape[1]))
+
+
+@triton.jit
+def dot_nt(a, b, PAD_K: tl.constexpr):
+    """``a [M, K] . b [N, K]^T`` -> [M, N] fp32. ``tl.dot`` needs K >= 16; quarters of head dims under 64 are
+    narrower (K = d/4 = 8 at d = 32, 4 at d = 16; test-size models). With ``PAD_K`` a K of 8 is zero-padded to 16
+    (:func:`_pad_k`) and stays on the tensor cores; otherwise, and for K < 8, the product is a multiply-sum on the CUDA
+    cores. The choice is per kernel because Triton 3.6 (the H200 image's) breaks on each of them in one place: the
+    multiply-sum in the general decode kernel ("operand does not dominate this use" in its layout pass) and the padded
+    dot in the extend kernel ("Illegal shared layout"); so decode pads and extend does not (the check:
+    ``python -m oscar_kernels.compile_check`` with that Triton). Padding twice (K = 4) fails there too."""
     if a.shape[1] >= 16:
         out = tl.dot(a, tl.trans(b))
+    elif PAD_K and a.shape[1] >= 8:
+        out = tl.dot(_pad_k(a), tl.trans(_pad_k(b)))
     else:
         out = tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
     return out
@@ -439,16 +453,16 @@ def softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3, v0, v1, v2, v3, PV_T: tl.c
 
 @triton.jit
 def exact_tile(q0, q1, q2, q3, K, V, rows, mask_n, stride_ks, stride_kh, stride_vs, stride_vh, kvh, col0,
-                BQ: tl.constexpr, QK_T: tl.constexpr):
+                BQ: tl.constexpr, QK_T: tl.constexpr, PAD_K: tl.constexpr):
     """Scores ``q' k'^T`` [M, N] and value quarters of one tile of exact (bf16 or fp32) rows ``rows`` [N] of ``K``/``V``
     (``[R, Hkv, d]``, contiguous last dim; masked rows read 0), for query quarters ``q0..q3`` [M, d/4]."""
     mn = mask_n[:, None]
     k_rows = K + rows[:, None] * stride_ks + kvh * stride_kh
     v_rows = V + rows[:, None] * stride_vs + kvh * stride_vh
-    s = dot_nt(q0, tl.load(k_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0).to(QK_T))
-    s += dot_nt(q1, tl.load(k_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0).to(QK_T))
-    s += dot_nt(q2, tl.load(k_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0).to(QK_T))
-    s += dot_nt(q3, tl.load(k_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0).to(QK_T))
+    s = dot_nt(q0, tl.load(k_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0).to(QK_T), PAD_K)
+    s += dot_nt(q1, tl.load(k_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0).to(QK_T), PAD_K)
+    s += dot_nt(q2, tl.load(k_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0).to(QK_T), PAD_K)
+    s += dot_nt(q3, tl.load(k_rows + (col0 + 3 * BQ)[None, :], mask=mn, other=0.0).to(QK_T), PAD_K)
     v0 = tl.load(v_rows + (col0 + 0 * BQ)[None, :], mask=mn, other=0.0)
     v1 = tl.load(v_rows + (col0 + 1 * BQ)[None, :], mask=mn, other=0.0)
     v2 = tl.load(v_rows + (col0 + 2 * BQ)[None, :], mask=mn, other=0.0)
@@ -531,20 +545,20 @@ def _decode_int2_kernel(
                         k1 = ((kc >> 2) & 3).to(QK_T)
                         k2 = ((kc >> 4) & 3).to(QK_T)
                         k3 = (kc >> 6).to(QK_T)
-                    qc = dot_nt(q0, k0)
-                    qc += dot_nt(q1, k1)
-                    qc += dot_nt(q2, k2)
-                    qc += dot_nt(q3, k3)
+                    qc = dot_nt(q0, k0, True)
+                    qc += dot_nt(q1, k1, True)
+                    qc += dot_nt(q2, k2, True)
+                    qc += dot_nt(q3, k3, True)
                     s = qc * ks[None, :] + qsum[:, None] * kz[None, :]
                 else:
                     ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :],
                                  mask=mask_n[:, None], other=0.0).to(tl.float32)
                     kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :],
                                  mask=mask_n[:, None], other=0.0).to(tl.float32)
-                    s = dot_nt(q0, ((kc & 3).to(tl.float32) * ks + kz).to(QK_T))
-                    s += dot_nt(q1, (((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T))
-                    s += dot_nt(q2, (((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T))
-                    s += dot_nt(q3, ((kc >> 6).to(tl.float32) * ks + kz).to(QK_T))
+                    s = dot_nt(q0, ((kc & 3).to(tl.float32) * ks + kz).to(QK_T), True)
+                    s += dot_nt(q1, (((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T), True)
+                    s += dot_nt(q2, (((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T), True)
+                    s += dot_nt(q3, ((kc >> 6).to(tl.float32) * ks + kz).to(QK_T), True)
                 s = tl.where(mask_n[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.exp2(m_i - m_new)
@@ -589,7 +603,7 @@ def _decode_int2_kernel(
                 mask_n = offs_n < bf_len
                 slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
                 s, v0, v1, v2, v3 = exact_tile(q0, q1, q2, q3, K_BF16, V_BF16, slot, mask_n, stride_kbs, stride_kbh,
-                                               stride_vbs, stride_vbh, kvh, col0, BQ, QK_T)
+                                               stride_vbs, stride_vbh, kvh, col0, BQ, QK_T, True)
                 s = tl.where(mask_n[None, :], s, float("-inf"))
                 m_i, l_i, acc0, acc1, acc2, acc3 = softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3,
                                                                 v0, v1, v2, v3, PV_T)

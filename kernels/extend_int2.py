@@ -180,10 +180,10 @@ def _extend_int2_kernel(
             kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :], mask=mn, other=0.0)
             ks = ks.to(tl.float32)
             kz = kz.to(tl.float32)
-            s = dot_nt(q0, ((kc & 3).to(tl.float32) * ks + kz).to(QK_T))
-            s += dot_nt(q1, (((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T))
-            s += dot_nt(q2, (((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T))
-            s += dot_nt(q3, ((kc >> 6).to(tl.float32) * ks + kz).to(QK_T))
+            s = dot_nt(q0, ((kc & 3).to(tl.float32) * ks + kz).to(QK_T), False)
+            s += dot_nt(q1, (((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T), False)
+            s += dot_nt(q2, (((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T), False)
+            s += dot_nt(q3, ((kc >> 6).to(tl.float32) * ks + kz).to(QK_T), False)
             use = mask_n[None, :] & ((sink_end + offs_n)[None, :] <= t_win[:, None])
             s = tl.where(use, s, float("-inf"))
             vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
@@ -208,7 +208,7 @@ def _extend_int2_kernel(
             if tl.max(wanted.to(tl.int32), 0) > 0:  # some row of the block uses this tile
                 rows = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
                 s, v0, v1, v2, v3 = exact_tile(q0, q1, q2, q3, K_BF16, V_BF16, rows, mask_n, stride_kbs, stride_kbh,
-                                                stride_vbs, stride_vbh, kvh, col0, BQ, QK_T)
+                                                stride_vbs, stride_vbh, kvh, col0, BQ, QK_T, False)
                 use = mask_n[None, :] & ((pos[None, :] < sink_end) | (pos[None, :] > t_win[:, None]))
                 s = tl.where(use, s, float("-inf"))
                 m_i, l_i, acc0, acc1, acc2, acc3 = softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3,
@@ -226,7 +226,7 @@ def _extend_int2_kernel(
             mask_n = offs_n < i1
             rows = (q_start + offs_n).to(tl.int64)
             s, v0, v1, v2, v3 = exact_tile(q0, q1, q2, q3, K_NEW, V_NEW, rows, mask_n, stride_kn, stride_kh,
-                                            stride_vn, stride_vh, kvh, col0, BQ, QK_T)
+                                            stride_vn, stride_vh, kvh, col0, BQ, QK_T, False)
             j = (pos0 + offs_n)[None, :]
             use = mask_n[None, :] & (j >= first) & (j <= t[:, None]) & ((j < sink_end) | (j > t_win[:, None]))
             s = tl.where(use, s, float("-inf"))

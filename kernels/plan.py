@@ -44,6 +44,7 @@ from .decode_int2 import (
 from .extend_int2 import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, ExtendIndex, extend_int2
 from .layout import exact_row, exact_row_ref
 from .pool import Int2KVPool
+from .quantize_pack import DECODE_WRITE
 
 FILL_BLOCK = 512
 """Positions per step of ``_plan_fill_kernel``'s loops (the block of SGLang's ``create_flashinfer_kv_indices_triton``;
@@ -228,7 +229,8 @@ class DecodePlan(_Plan):
         split_tokens, min_programs, min_split_tokens: the split policy's knobs
             (:func:`~oscar_kernels.decode_int2.split_policy`; defaults are the measured ones).
         write_tuning: launch parameters of the step's K/V write (``block_n``, ``rot_precision``, ``num_warps`` of
-            :func:`~oscar_kernels.quantize_pack.quantize_pack_kv`; default its own).
+            :func:`~oscar_kernels.quantize_pack.quantize_pack_kv`; default
+            :data:`~oscar_kernels.quantize_pack.DECODE_WRITE`, the measured fastest for a decode step's rows).
         row_kernel, **tuning: passed to :func:`~oscar_kernels.decode_int2.decode_int2` (``block_n``,
             ``num_warps``, ...; defaults are the measured ones).
     """
@@ -248,7 +250,7 @@ class DecodePlan(_Plan):
                                        max_splits, **self._policy_args).max_splits
         self.sm_scale = 1.0 / math.sqrt(pool.head_dim) if sm_scale is None else sm_scale
         self.tuning = tuning
-        self.write_tuning = dict(write_tuning or {})
+        self.write_tuning = dict(DECODE_WRITE if write_tuning is None else write_tuning)
         b = self._buffers
         b["qo_indptr"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))  # one token per sequence
         b["ext"].fill_(1)

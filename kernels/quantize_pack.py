@@ -54,6 +54,13 @@ tokens x 8 heads against 4266 µs for ``"ieee"`` fp32 FMA and 130 µs for plain 
 not used), measured on an H200 (commit 78c2798)."""
 DEFAULT_WARPS = 4
 """Warps per program at ``DEFAULT_BLOCK_N`` (8 warps: 427 µs vs 204 on the same run)."""
+DECODE_WRITE = dict(block_n=1, rot_precision="fma", num_warps=1)
+"""Launch parameters of a decode step's K/V write (one new token per sequence; ``DecodePlan``'s default
+``write_tuning``): one token per one-warp program, rotated by fp32 multiply-adds on the CUDA cores. Measured on an
+H200 (``benchmarks/bench_decode.py``, commit c0a87a8, Qwen3-8B shapes): ``DecodePlan.run`` (write + attention) at
+bs1/8k 31.1 µs against 44.5 with the prefill defaults above (tensor-core tf32x3 rotation of 64-token blocks), i.e.
+the write ~6 µs instead of ~19; faster at every measured batch up to bs32 (bs32/32k 320.3 vs 329.2 µs). The prefill
+defaults compile to 255 registers and spill at d = 128; this variant uses 156 and does not."""
 
 
 @triton.jit

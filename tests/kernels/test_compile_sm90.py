@@ -1,18 +1,25 @@
 """Every serving kernel compiles for the H200 (sm_90) on a machine without a GPU (``oscar_kernels.compile_check``):
 the GPU variants the interpreter never builds (fp16/bf16 tensor-core dots, the PTX unpacks) and the shape rules it
-does not enforce. Runs in a subprocess: the tests' interpreter setting would replace the compiler."""
+does not enforce. Runs in a subprocess: the tests' interpreter setting would replace the compiler. Twice: with the
+venv's Triton and with the H200 image's (3.6, which ``make setup`` puts in ``.venv/triton-h200``; each release has
+refused kernels the other compiled)."""
 
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+H200_TRITON = Path(sys.prefix) / "triton-h200"
+"""The H200 image's Triton (3.6.0), installed by ``make setup`` with ``pip install --target``."""
 
 SCRIPT = textwrap.dedent('''
     import sys
     import torch
     import triton
+    print("triton", triton.__version__)
     import triton.language as tl
     from oscar_kernels.compile_check import compile_only, main
 
@@ -33,19 +40,26 @@ SCRIPT = textwrap.dedent('''
                 got = False
             assert got == ok, (K, got)
     print("narrow dot refused")
-    sys.exit(main(["--head-dims", "16,64,128"]))
+    sys.exit(main(["--head-dims", "16,32,64,128"]))
 ''')
 
 
 @pytest.mark.slow
-def test_every_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+@pytest.mark.parametrize("triton_site", [None, H200_TRITON], ids=["venv-triton", "h200-triton-3.6"])
+def test_every_kernel_compiles_for_sm90_without_a_gpu(tmp_path, triton_site):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_site is not None:
+        if not (triton_site / "triton").is_dir():
+            pytest.skip(f"no Triton in {triton_site}: make setup installs the H200 image's there")
+        env["PYTHONPATH"] = os.pathsep.join([str(triton_site), *filter(None, [env.get("PYTHONPATH")])])
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # compile for real, not from an earlier run's cache
     script = tmp_path / "compile_check_sm90.py"  # Triton reads a @jit function's source from its file
     script.write_text(SCRIPT)
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "narrow dot refused" in r.stdout
+    if triton_site is not None:
+        assert "triton 3.6.0" in r.stdout
     names = {line.split(": ")[1].split(" (")[0] for line in r.stdout.splitlines() if line.startswith("sm_90 head dim")}
     assert names == {"_quantize_pack_kv_kernel", "_plan_lengths_kernel", "_plan_fill_kernel", "_extend_int2_kernel",
                      "_rotate_q_kernel", "_decode_rows_kernel", "_decode_int2_kernel", "_decode_int2_merge_kernel"}
