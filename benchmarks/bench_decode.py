@@ -140,6 +140,10 @@ SWEEP = [  # (block_n, warps, stages, register cap; 0: none) of the row-scale ke
 ]
 
 
+MERGE_CHUNKS = (1, 4, 8)
+"""``decode_int2(merge_chunk=...)`` values of the sweep, each at the default split count and at 2x and 4x it."""
+
+
 def sweep(gen, shapes):
     """Tile size, warps, pipelining, register cap and split count of the row-scale kernel, and the general kernel."""
     print("\n## sweep (µs, median of CUDA-graph replays)")
@@ -152,6 +156,9 @@ def sweep(gen, shapes):
                 rows.append((graph_us(case.fn(num_splits=ns, num_warps=nw, block_n=bn, num_stages=st,
                                               max_registers=reg)),
                              f"block_n={bn} warps={nw} stages={st} maxnreg={reg} splits={ns}"))
+        for mc in MERGE_CHUNKS:  # the merge reading several partials per step, with more splits than the default
+            for ns in sorted({base, 2 * base, 4 * base}):
+                rows.append((graph_us(case.fn(num_splits=ns, merge_chunk=mc)), f"merge_chunk={mc} splits={ns}"))
         rows.sort()
         print(f"bs{bs} ctx{ctx} (default splits {base}): " + "; ".join(f"{c}: {t:.1f}" for t, c in rows), flush=True)
         del case

@@ -74,7 +74,7 @@ def decode_main(args, commit: str) -> None:
                 try:
                     fn()
                     torch.cuda.synchronize()
-                    cells.append(f"{1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode='median'):.1f}")
+                    cells.append(f"{1e3 * triton.testing.do_bench_cudagraph(fn, rep=25, return_mode='median'):.1f}")
                 except OutOfResources as e:
                     cells.append("—")
                     print(f"block_n {bn} {prec} {nw} warps, bs{b}: {e}")

@@ -13,7 +13,8 @@
 #   (call 3 starts SGLang twice, ~1-2 min each once compile caches are warm, and runs the transformers engine
 #   twice: give it most of a 10-minute command)
 #
-# Each `gpu` call stages what it was given and runs the driver (step `serve`) once everything is there. The driver
+# Each `gpu` call stages what it was given and runs the driver (step `serve`) once everything is there; the step
+# keeps each result in $STAGE/work/serve.json as it comes, so a call cut short by its limit is finished by the next. The driver
 # appends its tables to benchmarks/RESULTS.md; bring that file back from $OUT. KV capacity at Qwen3-8B shapes is
 # `oscar bench`'s (benchmarks/bench_e2e.py).
 set -euo pipefail

@@ -110,6 +110,11 @@ MERGE_MIN_BLOCK_H = 16
 """Merge: the GQA group is padded to 16 rows, the M minimum of the ``R_V^T`` tensor-core dot."""
 MERGE_WARPS = 4
 """Merge: warps per program (not swept: one program per (sequence, KV head) reading ``max_splits + 1`` partials)."""
+MERGE_SPLIT_CHUNK = 1
+"""Merge: INT2 partials read per loop step (``decode_int2(merge_chunk=...)``). Not swept yet: the profile of an
+SGLang decode step at bs1/100k on an H200 (RESULTS.md, commit c0a87a8) put the merge at 16 µs per layer for ~49
+splits read one per step, and more splits at bs1 were slower before (bs1/128k 133 µs at 128 splits vs 108 at 64),
+which a merge that reads several partials per step may change; ``bench_decode.py --sweep`` times 1, 4 and 8."""
 
 F16_MAGIC = tl.constexpr(1024.0)
 """fp16 1024: OR-ing a code ``c < 1024`` into its mantissa gives exactly ``1024 + c`` (the PTX unpacks)."""
@@ -628,7 +633,7 @@ def _decode_int2_merge_kernel(
     stride_rh, stride_rr, stride_rc,
     stride_ob, stride_oh, stride_od,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
+    BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -649,9 +654,19 @@ def _decode_int2_merge_kernel(
     o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + offs_d[None, :]
     w_x = tl.sum(tl.where(offs_p[None, :] == max_splits, w, 0.0), 1)
     o = w_x[:, None] * tl.load(o_rows + max_splits * stride_pos, mask=mask_h[:, None], other=0.0)
-    for i in range(num_splits):
-        w_i = tl.sum(tl.where(offs_p[None, :] == i, w, 0.0), 1)
-        o += w_i[:, None] * tl.load(o_rows + i * stride_pos, mask=mask_h[:, None], other=0.0)
+    # the INT2 partials, SPLIT_CHUNK at a time (one load of [BLOCK_H, SPLIT_CHUNK, d] per step: fewer dependent steps
+    # for a sequence of many splits); their weights again from the LSEs (a masked split weighs exp2(-inf) = 0)
+    lse_rows = PART_LSE + b * stride_plb + heads * stride_plh
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    for c0 in range(0, num_splits, SPLIT_CHUNK):
+        idx = c0 + offs_c
+        ok = mask_h[:, None] & (idx < num_splits)[None, :]
+        w_c = tl.exp2(tl.load(lse_rows[:, None] + idx[None, :], mask=ok, other=float("-inf")) - m[:, None])
+        if SPLIT_CHUNK == 1:
+            o += w_c * tl.load(o_rows + c0 * stride_pos, mask=mask_h[:, None], other=0.0)
+        else:
+            tile = tl.load(o_rows[:, None, :] + idx[None, :, None] * stride_pos, mask=ok[:, :, None], other=0.0)
+            o += tl.sum(w_c[:, :, None] * tile, axis=1)
     o = o * tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)[:, None]
     # o = o' @ R_V^T: load R_V transposed
     rt = tl.load(ROT_V + (kvh * stride_rh if ROT_PER_HEAD else 0)
@@ -805,6 +820,7 @@ def decode_int2(
     ptx_unpack: bool | None = None,
     row_kernel: bool | None = None,
     max_registers: int | None = None,
+    merge_chunk: int = MERGE_SPLIT_CHUNK,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -823,6 +839,7 @@ def decode_int2(
         row_kernel: use the row-scale fast path (default: :func:`row_path`); ``False`` forces the general path.
         max_registers: register cap per thread of the row-scale split kernel (Triton's ``maxnreg``; default
             ``ROWS_MAX_REGISTERS`` from ``ROWS_CAPPED_PROGRAMS`` launched split programs on, else none; 0 for none).
+        merge_chunk: INT2 partials the merge reads per step, a power of two (``MERGE_SPLIT_CHUNK``).
 
     Returns:
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
@@ -830,6 +847,8 @@ def decode_int2(
     bsz, hq, d = check_query(q, cache)
     hkv = cache.kv_heads
     index.check(bsz)
+    if merge_chunk < 1 or merge_chunk & (merge_chunk - 1):
+        raise ValueError(f"merge_chunk must be a power of two >= 1, got {merge_chunk}")
     gqa = hq // hkv
     g = cache.group_size
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -913,7 +932,7 @@ def decode_int2(
         *cache.rot_v.stride(),
         *out.stride(),
         GQA=gqa, BLOCK_H=max(MERGE_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d,
-        BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1,
+        BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1, SPLIT_CHUNK=merge_chunk,
         num_warps=MERGE_WARPS,
     )
     return out
