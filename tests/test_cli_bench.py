@@ -17,6 +17,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from oscar_cli.bench.spec import RESTART_TIMEOUT_S
 from oscar_cli.cli import app
 from oscar_cli.cli.bench import driver
 
@@ -698,3 +699,21 @@ def test_server_process_start_and_stop(tmp_path, monkeypatch):
     finally:
         srv.stop()
     assert not srv.alive() and srv.proc.returncode is not None
+
+
+def test_each_backends_first_start_gets_the_start_timeout(tmp_path, qwen):
+    """A backend's first start may build its JIT kernels cold: it gets ``--start-timeout``; a restart of a backend
+    already started in the same command (flashinfer-fp8 after flashinfer) is capped at RESTART_TIMEOUT_S."""
+    _, model, art = qwen
+    cfg = d.BenchConfig(out=tmp_path, configs=("triton", "flashinfer", "flashinfer-fp8"), measures=("capacity",),
+                        command="oscar bench", start_timeout_s=400.0, budget_s=3600.0)
+    limits = []
+
+    def start(config, cfg_, model_, artifact, timeout):
+        limits.append((config.name, round(timeout)))
+        return StubServer()
+
+    d.run(cfg, start=start, measures={"capacity": lambda run: run.add("admission", requests=1)},
+          gpu=lambda: 1000.0, device="test device", prepare=lambda c: (model, art))
+    assert [n for n, _ in limits].index("flashinfer") < [n for n, _ in limits].index("flashinfer-fp8")
+    assert dict(limits) == {"triton": 400, "flashinfer": 400, "flashinfer-fp8": round(RESTART_TIMEOUT_S)}

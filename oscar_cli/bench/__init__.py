@@ -67,8 +67,9 @@ run with ``SGLANG_PLUGINS=none`` (no plugin loaded: unmodified SGLang). Configur
 selectable, records are appended (and fsynced) one per line as each measurement ends, a measurement that cannot
 start inside ``--budget-s`` is recorded as skipped, each request's timeout is a ceiling from its token counts
 (:data:`PREFILL_FLOOR_TOK_S`, :data:`STEP_CEIL_S_PER_TOKEN`) capped by the time left, and timed-out requests are
-aborted (``/abort_request``) and recorded as such. A first server start times out at ``--start-timeout`` (300 s; one
-was 139 s there), later ones in the same command at :data:`RESTART_TIMEOUT_S` (180 s; 55 s there).
+aborted (``/abort_request``) and recorded as such. The first start of each attention backend times out at
+``--start-timeout`` (300 s; oscar took 139 s there, flashinfer with a cold JIT cache more than 200), a restart of one
+already started in the same command at :data:`RESTART_TIMEOUT_S` (180 s; 55 s there).
 
 **Rendering** (pure functions over the records: :func:`summary_rows`, :func:`profile_rows`, :func:`markdown`,
 :func:`results_section`, :func:`plot`): one table (capacity, ratios to BF16, requests per 100k, bits per element,

@@ -97,8 +97,9 @@ REQUEST_SLACK_S = 60.0
 MIN_MEASURE_S = 30.0
 """A measurement does not start with less time than this left."""
 RESTART_TIMEOUT_S = 180.0
-"""Start timeout of every server after the first in one command (compile caches warm: 55 s there, plus up to a
-minute of flashinfer JIT for a new backend); the first gets ``--start-timeout`` (300 s: 139 s seen, plus JIT)."""
+"""Start timeout of a server whose attention backend already started once in the same command (compile caches
+warm: 55 s there); a backend's first start gets ``--start-timeout`` (300 s: 139 s seen for oscar; flashinfer BF16
+was still capturing its prefill CUDA graphs after 200 s on a machine where its JIT cache was cold)."""
 SUFFIX_TOKENS = 32
 """Distinct tokens after the shared prefix of a ``prefix`` fill."""
 PREFIX_SLACK = 2048
