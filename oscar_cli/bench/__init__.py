@@ -63,7 +63,7 @@ run with ``SGLANG_PLUGINS=none`` (no plugin loaded: unmodified SGLang). Configur
 * Peak GPU memory (``nvidia-smi``, polled every second) for every measurement, and the KV tokens in use
   (``/v1/loads``) to draw memory against batch and context.
 
-**Budget.** The H200 allows 10 minutes per command and 30 per session: every configuration and measurement is
+**Budget.** A command on the H200 machine may run 10 minutes: every configuration and measurement is
 selectable, records are appended (and fsynced) one per line as each measurement ends, a measurement that cannot
 start inside ``--budget-s`` is recorded as skipped, each request's timeout is a ceiling from its token counts
 (:data:`PREFILL_FLOOR_TOK_S`, :data:`STEP_CEIL_S_PER_TOKEN`) capped by the time left, and timed-out requests are
