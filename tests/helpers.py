@@ -1,11 +1,23 @@
-"""Builders the tests share: tiny random-weight Llamas and a word-level tokenizer kit (imported by conftest.py and
-by test modules as ``helpers``)."""
+"""Builders the tests share: tiny random-weight Llamas, a word-level tokenizer kit and the benchmark scripts as
+modules (imported by conftest.py and by test modules as ``helpers``)."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import torch
 
 EMBEDDED = "smollm2-135m"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 WORDS = [f"w{i}" for i in range(90)]
 
 

@@ -1,20 +1,15 @@
 """benchmarks/bench_calibration.py on a tiny architecture: the library collect + fit it times really ran (a complete
 run, an artifact), its table reached RESULTS, and a used store is refused."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_benchmark
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_calibration", ROOT / "benchmarks" / "bench_calibration.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_calibration")
 
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 64,

@@ -2,21 +2,12 @@
 step cut short keeps what it measured in WORK/serve.json, a re-run resumes without repeating it, and the tables
 render from the saved results."""
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_driver():
-    spec = importlib.util.spec_from_file_location("sglang_h200", ROOT / "benchmarks" / "sglang_h200.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers import load_benchmark
 
 
 class FakeServer:
@@ -32,7 +23,7 @@ class FakeServer:
 
 
 def test_serve_step_resumes_from_what_it_saved(tmp_path, monkeypatch):
-    mod = load_driver()
+    mod = load_benchmark("sglang_h200")
     prompts, prefix, suffixes = [[5, 6, 7], [8, 9]], [1, 2, 3, 4], [[10], [11]]
     started, engine_runs = [], []
 
