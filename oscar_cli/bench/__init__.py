@@ -4,7 +4,8 @@ BF16 and FP8 KV caches, end to end through the HTTP server (the library behind `
 measurements, :mod:`.records` and :mod:`.render` what is kept and shown).
 
 Ran on an H200 on 2026-12-02 (``benchmarks/RESULTS.md``): server facts, throughput and latency of ``oscar``,
-``flashinfer`` and ``flashinfer-fp8``; the admission run and the profile have not run on a GPU yet. Its parsing,
+``flashinfer`` and ``flashinfer-fp8``, the admission run and the profile of ``oscar``; the BF16 profile has not run
+on a GPU yet (its server did not start within the 200 s given). Its parsing,
 records and rendering are tested on CPU over recorded sample data (``tests/test_cli_bench.py``, synthetic).
 Batch-1 latency points come after one unrecorded warm-up request (:data:`.measure.WARMUP_TOKENS`).
 

@@ -97,8 +97,9 @@ def bench_cmd(
                                           "configuration.")] = 64,
     budget_s: Annotated[float, typer.Option("--budget-s", help="No measurement starts after this many seconds; "
                                             "request timeouts are capped by what is left.")] = 540.0,
-    start_timeout: Annotated[float, typer.Option("--start-timeout", help="Seconds the first server may take to "
-                                                 "start (each backend's first; a restart of one in the same command: at most 180).")] = 300.0,
+    start_timeout: Annotated[float, typer.Option("--start-timeout", help="Seconds a backend's first server may "
+                                                 "take to start (a restart of one already started in the same "
+                                                 "command: at most 180).")] = 300.0,
     port: Annotated[int, typer.Option("--port", help="Port of the servers (one at a time).")] = 31000,
     render: Annotated[Path | None, typer.Option("--render", help="Only render this recorded results file (no GPU, "
                                                 "no SGLang).")] = None,
