@@ -190,22 +190,39 @@ def server_perplexity(srv: Server, work: Path) -> float:
 
 def step_serve(args, work: Path) -> str:
     """Greedy outputs and the shared-prefix runs, one server start per backend (oscar, then the triton control),
-    then the project's engine with and without the artifact. Every result is saved in ``WORK/serve.json`` as soon as
-    it exists, and a re-run of the step (same ``--work``) skips what is there: a step cut short by its time limit
-    keeps what it measured and the next run finishes it."""
+    while the project's engine runs with and then without the artifact in a thread of its own (its own process; both
+    sides measure outputs, not speed, and the tiny model leaves the GPU mostly idle). Every result is saved in
+    ``WORK/serve.json`` as soon as it exists, and a re-run of the step (same ``--work``) skips what is there: a step
+    cut short by its time limit keeps what it measured and the next run finishes it. An engine failure is raised
+    once the servers are done."""
     state_path = work / "serve.json"
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
 
+    lock = threading.Lock()
+
     def keep(key, fn, *fn_args):
         if key not in state:
-            state[key] = fn(*fn_args)
-            tmp = state_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(state))
-            tmp.replace(state_path)
+            value = fn(*fn_args)
+            with lock:
+                state[key] = value
+                tmp = state_path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(state))
+                tmp.replace(state_path)
         return state[key]
 
     path, prompts, prefix, suffixes = make_prompts(args.model, work)
     reqs = [prefix + s for s in suffixes]
+    engine_error: list[BaseException] = []
+
+    def engines():
+        try:
+            for name, art in (("oscar-cache", args.artifact), ("bf16", None)):
+                keep(f"{name}/engine", engine_outputs, args.model, args.store, art, path, work / f"engine-{name}.json")
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread below
+            engine_error.append(e)
+
+    engine_thread = threading.Thread(target=engines, daemon=True)
+    engine_thread.start()
     for backend, art in (("oscar", args.artifact), ("triton", None)):
         if all(f"{backend}/{k}" in state for k in ("outputs", "prefix", "ppl")):
             continue
@@ -216,8 +233,9 @@ def step_serve(args, work: Path) -> str:
             keep(f"{backend}/ppl", server_perplexity, srv, work)
         finally:
             srv.stop()
-    for name, art in (("oscar-cache", args.artifact), ("bf16", None)):
-        keep(f"{name}/engine", engine_outputs, args.model, args.store, art, path, work / f"engine-{name}.json")
+    engine_thread.join()
+    if engine_error:
+        raise engine_error[0]
     got = {b: state[f"{b}/outputs"] for b in ("oscar", "triton")}
     got.update({n: state[f"{n}/engine"]["outputs"] for n in ("oscar-cache", "bf16")})
     ppl = {b: state[f"{b}/ppl"] for b in ("oscar", "triton")}

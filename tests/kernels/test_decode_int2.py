@@ -43,7 +43,7 @@ def _poisoned_workspace(bsz, hq, d, max_splits):
 
 # every GQA ratio with both head dims, every (d, group) pair twice (the full product costs twice the interpreter time)
 SHAPES = [(1, 64, "row"), (1, 128, 32), (3, 64, 32), (3, 128, "row"), (4, 64, "row"), (4, 128, 32), (8, 64, 32),
-          (8, 128, "row")]
+          (8, 128, "row"), (4, 32, "row"), (2, 32, 16)]
 
 
 @pytest.mark.parametrize("gqa,d,group", SHAPES)

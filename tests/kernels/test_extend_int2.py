@@ -29,7 +29,8 @@ def _check(case, got, **kw):
 
 
 # every GQA ratio, head dim and group at least twice, each (d, group) pair once or more (interpreter time)
-SHAPES = [(1, 64, "row"), (1, 128, 32), (4, 64, 32), (4, 128, "row"), (8, 64, "row"), (8, 128, 32)]
+SHAPES = [(1, 64, "row"), (1, 128, 32), (4, 64, 32), (4, 128, "row"), (8, 64, "row"), (8, 128, 32), (4, 32, "row"),
+          (2, 32, 16)]
 
 
 @pytest.mark.parametrize("gqa,d,group", SHAPES)

@@ -27,7 +27,7 @@ def _x(n, hkv, d, gen, dtype):
     return (torch.randn(n, hkv, d, generator=gen) * outlier + 0.3).to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("group", ["row", 32])
 @pytest.mark.parametrize("ratio", [1.0, 0.85])
 def test_ref_matches_oscar_cli_quantizer(d, group, ratio):
@@ -64,7 +64,7 @@ def test_ref_error_bound(g):
     assert (s / 2 < (hi - lo) / 5).all()  # the bound is not vacuous
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("group", ["row", 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_prerotated_is_bit_exact(d, group, dtype):
@@ -84,7 +84,7 @@ def test_kernel_prerotated_is_bit_exact(d, group, dtype):
     assert torch.isfinite(got[1][loc]).all() and torch.isnan(got[1][free]).all()  # written / untouched
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("group", ["row", 32])
 @pytest.mark.parametrize("shared_rot", [False, True])
 @pytest.mark.parametrize("path", ["dot", "fma"])
