@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .layout import LayerCache, cached_rows_ref, check_index, check_query, check_seq, gpu_codegen
+from .scheme import CUDA_MIN_HEAD_DIM
 
 DEFAULT_MIN_PROGRAMS = 128
 """General path: split programs aimed for at least (about one per SM of an H200), through the split policy's
@@ -86,8 +87,11 @@ ROWS_STAGES = 1
 """Row-scale path: Triton pipelining depth (cp.async stages 2 and 3 were 9-44% slower at every swept shape)."""
 ROWS_MIN_BLOCK_H = 2
 """Row-scale path: smallest head-tile width (the tensor-core dot pads to 8 inside the instruction anyway)."""
-ROWS_MIN_PROGRAMS = 128
-"""Row-scale path: split programs aimed for at least, through the split policy's ``min_splits``."""
+ROWS_MIN_PROGRAMS = 1024
+"""Row-scale path: split programs aimed for at least, through the split policy's ``min_splits`` (and no split under
+``MIN_SPLIT_TOKENS``). Raised from 128 with the 8-partial merge (``MERGE_SPLIT_CHUNK``), from a sweep on an H200
+(RESULTS.md, commit b7f000b, CUDA-graph replay, µs): bs1/8k 18.3 at 32 splits vs 22.0 at 16; bs1/128k 61.5 at 128
+vs 82.5 at 64; bs8/32k 96.4 at 16 (1024 programs) vs 108.4 at 32; bs16/128k 577.3 at 64 (unchanged)."""
 ROWS_SPLIT_TOKENS = 2048
 """Row-scale path: INT2 tokens per split. Measured: bs1/8k 25.2 µs at 16 splits vs 30.2 at 32; bs1/128k 108 at
 64 vs 133 at 128; bs8/32k 109 at 16 vs 159 at 8; bs16/128k 682 at 32 vs 710 at 64 (with the register cap 646 vs 666)."""
@@ -110,11 +114,11 @@ MERGE_MIN_BLOCK_H = 16
 """Merge: the GQA group is padded to 16 rows, the M minimum of the ``R_V^T`` tensor-core dot."""
 MERGE_WARPS = 4
 """Merge: warps per program (not swept: one program per (sequence, KV head) reading ``max_splits + 1`` partials)."""
-MERGE_SPLIT_CHUNK = 1
-"""Merge: INT2 partials read per loop step (``decode_int2(merge_chunk=...)``). Not swept yet: the profile of an
-SGLang decode step at bs1/100k on an H200 (RESULTS.md, commit c0a87a8) put the merge at 16 µs per layer for ~49
-splits read one per step, and more splits at bs1 were slower before (bs1/128k 133 µs at 128 splits vs 108 at 64),
-which a merge that reads several partials per step may change; ``bench_decode.py --sweep`` times 1, 4 and 8."""
+MERGE_SPLIT_CHUNK = 8
+"""Merge: INT2 partials read per loop step (``decode_int2(merge_chunk=...)``). Swept on an H200 (``bench_decode.py
+--sweep``, RESULTS.md, commit b7f000b): 8 beat 4 and 1 at every swept shape and split count (default splits: bs1/8k
+22.0 µs vs 25.2 with 1, bs1/128k 82.5 vs 96.1, bs8/32k 96.4 vs 100.2, bs16/128k 577.3 vs 601.0), and it is what
+makes more splits pay at bs1 (``ROWS_MIN_PROGRAMS``): one partial per step, 128 splits at bs1/128k took 96.3 µs."""
 
 F16_MAGIC = tl.constexpr(1024.0)
 """fp16 1024: OR-ing a code ``c < 1024`` into its mantissa gives exactly ``1024 + c`` (the PTX unpacks)."""
@@ -845,6 +849,9 @@ def decode_int2(
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
     """
     bsz, hq, d = check_query(q, cache)
+    if q.is_cuda and d < CUDA_MIN_HEAD_DIM:
+        raise ValueError(f"decode_int2 on CUDA needs head dim >= {CUDA_MIN_HEAD_DIM}, got {d}: at smaller head dims it "
+                         "computes wrong attention there (oscar_kernels.scheme.CUDA_MIN_HEAD_DIM)")
     hkv = cache.kv_heads
     index.check(bsz)
     if merge_chunk < 1 or merge_chunk & (merge_chunk - 1):

@@ -60,7 +60,7 @@ class Int2KVPool:
     def __init__(self, scheme: QuantScheme, num_layers: int, kv_heads: int, head_dim: int, num_slots: int,
                  max_requests: int, rot_k: torch.Tensor, rot_v: torch.Tensor, clip_k=None, clip_v=None,
                  device: torch.device | str | None = None):
-        why = scheme.kernel_support(head_dim)
+        why = scheme.kernel_support(head_dim, torch.device(device).type if device is not None else None)
         if why is not None:
             raise SchemeError(f"scheme {scheme.describe()} cannot run in the kernels: {why}")
         self.scheme = scheme.resolved(head_dim)

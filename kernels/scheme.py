@@ -25,6 +25,10 @@ SCALE_DTYPES = ("fp16",)
 LEVELS = ("uniform",)
 KERNEL_BITS = 2
 """Code width the Triton kernels implement."""
+CUDA_MIN_HEAD_DIM = 64
+"""Smallest head dim the decode kernel is run at on CUDA. At 32 (test-size models) the H200 (Triton 3.6) computed
+wrong decode attention (relative error ~0.3 against the reference) while the interpreter, the extend and write
+kernels at 32, and every case at 64 and 128 were right: refused there until it is found and fixed."""
 
 
 class SchemeError(ValueError):
@@ -80,8 +84,12 @@ class QuantScheme:
         """Storage bits of one quantised element: its code plus its share of the fp16 scale and zero."""
         return self.bits + 32 / self.group_for(head_dim)
 
-    def kernel_support(self, head_dim: int) -> str | None:
-        """Why the Triton kernels cannot run this scheme at ``head_dim``, or None when they can."""
+    def kernel_support(self, head_dim: int, device_type: str | None = None) -> str | None:
+        """Why the Triton kernels cannot run this scheme at ``head_dim`` (on ``device_type``, e.g. ``"cuda"``; None:
+        anywhere they run), or None when they can."""
+        if device_type == "cuda" and head_dim < CUDA_MIN_HEAD_DIM:
+            return (f"on CUDA the decode kernel needs head dim >= {CUDA_MIN_HEAD_DIM}, got {head_dim} (it computes "
+                    "wrong attention there)")
         if self.bits != KERNEL_BITS:
             return f"the kernels implement {KERNEL_BITS}-bit codes, the scheme has {self.bits}"
         g = self.group_for(head_dim)

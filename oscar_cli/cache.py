@@ -204,7 +204,7 @@ class OscarCache(Cache):
         dev = next(model.parameters()).device
         cfg = model.config
         d = attention_shape(cfg).head_dim
-        why = {i: kernel_ready(q, scheme, d) for i, q in enumerate(quants) if q is not None}
+        why = {i: kernel_ready(q, scheme, d, dev.type) for i, q in enumerate(quants) if q is not None}
         if backend == "kernels" and any(why.values()):
             i = next(i for i, w in why.items() if w)
             raise OscarError(f"the kernel cache backend cannot run layer {i}: {why[i]}; use backend='reference'")

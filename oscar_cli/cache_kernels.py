@@ -30,15 +30,16 @@ MIN_CAPACITY = 256
 """Smallest per-row slot capacity allocated (then doubled as the sequence grows)."""
 
 
-def kernel_ready(lq: LayerQuant | None, scheme: QuantScheme, head_dim: int) -> str | None:
-    """Why a layer's quantizer cannot run in the kernels, or None when it can (None layers stay exact anyway)."""
+def kernel_ready(lq: LayerQuant | None, scheme: QuantScheme, head_dim: int, device_type: str | None = None) -> str | None:
+    """Why a layer's quantizer cannot run in the kernels (on ``device_type``), or None when it can (None layers stay
+    exact anyway)."""
     if lq is None:
         return None
     if lq.key_axis != "token":
         return "per-channel (KIVI) keys"
     if lq.bits != 2:
         return f"{lq.bits}-bit codes"
-    return scheme.kernel_support(head_dim)
+    return scheme.kernel_support(head_dim, device_type)
 
 
 def kernels_launchable(device) -> bool:

@@ -12,8 +12,8 @@ from oscar_cli.errors import OscarError
 from oscar_cli.kvquant import LayerQuant, build_layer_quants
 from oscar_cli.methods import get_method, scheme_for
 
-D = 32
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+D = 64 if DEV == "cuda" else 32  # on CUDA the decode kernel refuses head dims under 64 (CUDA_MIN_HEAD_DIM)
 
 
 def tiny(device=DEV):
@@ -103,9 +103,14 @@ def test_pool_grows_and_generate_runs_through_the_kernels(monkeypatch):
 
 
 def test_backend_choice_and_refusals(monkeypatch):
+    from oscar_cli.cache_kernels import kernel_ready
+
     model = tiny("cpu")
     scheme = QuantScheme(sink=2, recent=4)
     assert OscarCache(model, per_head_quants(), scheme).backend == "reference"  # auto on CPU
+    # head dim 32 runs in the interpreter; on CUDA the decode kernel refuses it, so `auto` there takes the reference
+    assert kernel_ready(per_head_quants()[0], scheme, 32) is None
+    assert "head dim >= 64" in kernel_ready(per_head_quants()[0], scheme, 32, "cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(OscarError, match="runs on CUDA tensors and the model is on cpu"):
         OscarCache(model, per_head_quants(), scheme, backend="kernels")

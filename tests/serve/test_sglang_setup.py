@@ -78,6 +78,10 @@ def fake_artifact(per_head=True, kv=4, heads=8, d=16, layers=3, scheme=None, fin
     return SimpleNamespace(manifest=m, tensors=t, layers=list(range(layers)), scheme=m.scheme)
 
 
+SERVED_D = 64
+"""Head dim of the models the refusal tests serve: the decode kernel refuses smaller ones on CUDA."""
+
+
 def facts(kv=4, heads=8, d=16, layers=3, **kw):
     return ModelFacts(model_type="llama", num_layers=layers, num_heads=heads, kv_heads=kv, head_dim=d, **kw)
 
@@ -196,7 +200,7 @@ def test_view_of_live_server_args_reads_the_resolved_prefill_graph_backend():
 
 def model_config(**kw):
     c = {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4,
-         "hidden_size": 128, "head_dim": 16}
+         "hidden_size": 512, "head_dim": SERVED_D}
     c.update(kw)
     return c
 
@@ -209,27 +213,33 @@ def model_config(**kw):
     (model_config(num_hidden_layers=4), "fitted for"),
 ])
 def test_model_refusals(cfg, words):
-    problems, _ = model_refusals(fake_artifact().manifest, ModelFacts.from_config(cfg))
+    problems, _ = model_refusals(fake_artifact(d=SERVED_D).manifest, ModelFacts.from_config(cfg))
     assert any(words in p for p in problems), problems
+
+
+def test_head_dims_the_cuda_decode_kernel_refuses_are_refused_at_start():
+    problems, _ = model_refusals(fake_artifact(d=32).manifest, ModelFacts.from_config(model_config(head_dim=32)))
+    assert len(problems) == 1 and "decode kernel needs head dim >= 64, got 32" in problems[0], problems
+    assert problems[0].endswith("serve it with `oscar serve --engine transformers`")
 
 
 def test_model_facts_accept_plain_and_disabled_sliding_window_models():
     f = ModelFacts.from_config(model_config(sliding_window=4096, use_sliding_window=False))
     assert not f.sliding_window and not f.hybrid and not f.mla
-    assert model_refusals(fake_artifact().manifest, f)[0] == []
+    assert model_refusals(fake_artifact(d=SERVED_D).manifest, f)[0] == []
 
 
 def test_fingerprint_checked_when_the_folder_has_one(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(model_config()))
     (tmp_path / "oscar_model.json").write_text(json.dumps({"fingerprint": "sha256:other"}))
-    problems, _ = model_refusals(fake_artifact().manifest, ModelFacts.from_folder(tmp_path))
+    problems, _ = model_refusals(fake_artifact(d=SERVED_D).manifest, ModelFacts.from_folder(tmp_path))
     assert len(problems) == 1 and "sha256:other" in problems[0]
     (tmp_path / "oscar_model.json").write_text(json.dumps({"fingerprint": "sha256:abc"}))
-    assert model_refusals(fake_artifact().manifest, ModelFacts.from_folder(tmp_path)) == ([], [])
+    assert model_refusals(fake_artifact(d=SERVED_D).manifest, ModelFacts.from_folder(tmp_path)) == ([], [])
 
 
 def test_without_a_fingerprint_the_head_layout_is_checked_and_said():
-    problems, notes = model_refusals(fake_artifact().manifest, facts(), load_format="dummy")
+    problems, notes = model_refusals(fake_artifact(d=SERVED_D).manifest, facts(d=SERVED_D), load_format="dummy")
     assert problems == [] and "dummy" in notes[0] and "head layout" in notes[0]
 
 
@@ -247,7 +257,7 @@ def test_a_real_artifact_against_a_model_folder(tmp_path):
     """``oscar_cli.artifact`` writes it, the plugin loads it (content hash checked) and refuses another model."""
     from oscar_cli.artifact import Manifest, write_artifact
 
-    d, kv, heads, layers = 16, 2, 4, 2
+    d, kv, heads, layers = SERVED_D, 2, 4, 2
     t = artifact_tensors(n=layers, h=kv, d=d)
     t["clip_k"], t["clip_v"] = t["clip_k"] * 0.5 + 0.5, t["clip_v"] * 0.5 + 0.5
     m = Manifest(model_slug="tiny", model_fingerprint="sha256:tiny", run_id=1, stats_digest="s", data_digest="d",

@@ -202,10 +202,12 @@ def model_refusals(manifest: Any, facts: ModelFacts, tp_size: int = 1, load_form
         shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
         out.append(f"the artifact leaves layer(s) {shown} unquantized; the OSCAR pool stores every layer in INT2: fit with "
                    "--layers all")
-    why = manifest.scheme.kernel_support(facts.head_dim)
+    why = manifest.scheme.kernel_support(facts.head_dim, "cuda")
     if why is not None:
-        out.append(f"scheme {manifest.scheme.describe()} cannot run in the kernels: {why}; fit with --bits 2 and a "
-                   "power-of-two group")
+        cuda_only = manifest.scheme.kernel_support(facts.head_dim) is None  # the kernels run it, not on CUDA
+        fix = ("serve it with `oscar serve --engine transformers`" if cuda_only
+               else "fit with --bits 2 and a power-of-two group")
+        out.append(f"scheme {manifest.scheme.describe()} cannot run in the kernels: {why}; {fix}")
     t = tp_refusal(facts.kv_heads, tp_size)
     if t is not None:
         out.append(t)
