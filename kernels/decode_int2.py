@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from .layout import LayerCache, cached_rows_ref, check_index, check_query, check_seq, gpu_codegen
-from .scheme import CUDA_MIN_HEAD_DIM
+from .scheme import cuda_head_dim_refusal
 
 DEFAULT_MIN_PROGRAMS = 128
 """General path: split programs aimed for at least (about one per SM of an H200), through the split policy's
@@ -432,7 +432,9 @@ def dot_nt(a, b, PAD_K: tl.constexpr):
     cores. The choice is per kernel because Triton 3.6 (the H200 image's) breaks on each of them in one place: the
     multiply-sum in the general decode kernel ("operand does not dominate this use" in its layout pass) and the padded
     dot in the extend kernel ("Illegal shared layout"); so decode pads and extend does not (the check:
-    ``python -m oscar_kernels.compile_check`` with that Triton). Padding twice (K = 4) fails there too."""
+    ``python -m oscar_kernels.compile_check`` with that Triton). Padding twice (K = 4) fails there too. On CUDA the
+    padded decode path is not launched: compiled, it computed wrong attention at d = 32 on an H200, so ``decode_int2``
+    refuses head dims under ``CUDA_MIN_HEAD_DIM`` there; the interpreter and the compile check still run it."""
     if a.shape[1] >= 16:
         out = tl.dot(a, tl.trans(b))
     elif PAD_K and a.shape[1] >= 8:
@@ -849,9 +851,8 @@ def decode_int2(
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
     """
     bsz, hq, d = check_query(q, cache)
-    if q.is_cuda and d < CUDA_MIN_HEAD_DIM:
-        raise ValueError(f"decode_int2 on CUDA needs head dim >= {CUDA_MIN_HEAD_DIM}, got {d}: at smaller head dims it "
-                         "computes wrong attention there (oscar_kernels.scheme.CUDA_MIN_HEAD_DIM)")
+    if q.is_cuda and (why := cuda_head_dim_refusal(d)) is not None:
+        raise ValueError(f"decode_int2: {why}")
     hkv = cache.kv_heads
     index.check(bsz)
     if merge_chunk < 1 or merge_chunk & (merge_chunk - 1):

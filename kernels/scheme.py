@@ -31,6 +31,14 @@ wrong decode attention (relative error ~0.3 against the reference) while the int
 kernels at 32, and every case at 64 and 128 were right: refused there until it is found and fixed."""
 
 
+def cuda_head_dim_refusal(head_dim: int) -> str | None:
+    """Why the decode kernel does not run at ``head_dim`` on CUDA (:data:`CUDA_MIN_HEAD_DIM`), or None."""
+    if head_dim < CUDA_MIN_HEAD_DIM:
+        return (f"on CUDA the decode kernel needs head dim >= {CUDA_MIN_HEAD_DIM}, got {head_dim} (it computes wrong "
+                "attention there)")
+    return None
+
+
 class SchemeError(ValueError):
     """A scheme that is invalid, or that cannot run where it was asked to; the message says why and how to fix it."""
 
@@ -87,9 +95,8 @@ class QuantScheme:
     def kernel_support(self, head_dim: int, device_type: str | None = None) -> str | None:
         """Why the Triton kernels cannot run this scheme at ``head_dim`` (on ``device_type``, e.g. ``"cuda"``; None:
         anywhere they run), or None when they can."""
-        if device_type == "cuda" and head_dim < CUDA_MIN_HEAD_DIM:
-            return (f"on CUDA the decode kernel needs head dim >= {CUDA_MIN_HEAD_DIM}, got {head_dim} (it computes "
-                    "wrong attention there)")
+        if device_type == "cuda" and (why := cuda_head_dim_refusal(head_dim)) is not None:
+            return why
         if self.bits != KERNEL_BITS:
             return f"the kernels implement {KERNEL_BITS}-bit codes, the scheme has {self.bits}"
         g = self.group_for(head_dim)
