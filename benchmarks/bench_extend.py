@@ -1,6 +1,6 @@
 """Chunked prefill on Qwen3-8B shapes: one layer's extend step (``ExtendPlan``) vs torch SDPA BF16 at the same prefix.
 
-Usage: python benchmarks/bench_extend.py [--chunk 8192] [--prefixes 0,16384,49152,90112] [--sweep]
+Usage: python benchmarks/bench_extend.py [--chunk 8192] [--prefixes 0,16384,49152,90112] [--sweep] [--sweep-fused]
        [--commit SHA] [--results benchmarks/RESULTS.md]
 
 A prefill of ``L`` tokens runs as chunks of ``--chunk`` tokens (SGLang's chunked prefill); chunk ``i`` attends to
@@ -9,15 +9,18 @@ layer (32 query / 8 KV heads, d 128, the default scheme int2.g128.s64.r256), one
 
 * ``ExtendPlan.run``: the chunk's K/V written (INT2 codes and rotated rows, ``quantize_pack_kv``), the extend
   attention over the cached INT2 prefix, the exact sink/ring rows and the chunk itself (Design P), the chunk's
-  exact rows stored; ``extend_int2`` alone is the attention part of it;
+  exact rows stored -- through the plan's default path, the dequantised prefix;
+* the attention alone, both ways: ``extend_int2`` (fused: each INT2 tile dequantised in registers once per block of
+  queries) and ``extend_int2_dequant`` (the INT2 rows dequantised once into the plan's scratch, two KV heads per
+  pass by default, then a flash-attention loop over plain tiles), and the latter with all eight heads in one pass;
 * torch SDPA BF16 (cuDNN and flash backends) over the same ``prefix + chunk`` keys with a lower-right causal mask,
   the attention of an uncompressed cache.
 
 Then, per configuration, the attention time of a whole 100k-token prefill per layer (the sum over its chunks of a
-straight-line fit in the prefix length) and over 36 layers. ``--sweep`` first times ``extend_int2`` at the longest
-prefix over tile sizes, warps and stages. Random data (codes, scales, rows): speed does not depend on values.
-CUDA-event timing, median of ``triton.testing.do_bench``. Appends the table to RESULTS.md with date, device, commit
-and command. Needs CUDA.
+straight-line fit in the prefix length) and over 36 layers. ``--sweep`` first times ``extend_int2_dequant`` at the
+longest prefix over tile sizes, warps and stages, ``--sweep-fused`` the fused kernel. Random data (codes, scales,
+rows): speed does not depend on values. CUDA-event timing, median of ``triton.testing.do_bench``. Appends the table
+to RESULTS.md with date, device, commit and command. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 import triton
 from bench_decode import fill_random  # a sibling script: benchmarks/ is sys.path[0]
 from oscar_kernels import ExtendPlan, Int2KVPool, extend_int2
+from oscar_kernels.extend_int2 import dequant_scratch, extend_int2_dequant
 from oscar_kernels.scheme import QuantScheme
 
 from oscar_cli import code_version
@@ -40,6 +44,9 @@ DEV = "cuda"
 PREFILL = 100_000
 SWEEP = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
          for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+SWEEP_DEQ = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+             for bm in (64, 128, 256) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+             if not (bm == 256 and w == 4) and not (bm == 256 and bn == 128)]
 
 
 def setup(prefix: int, chunk: int, gen: torch.Generator):
@@ -76,24 +83,46 @@ def sdpa_fn(prefix: int, chunk: int, backend, gen: torch.Generator):
     return fn
 
 
-def time_extend(prefix: int, chunk: int, gen: torch.Generator) -> tuple[float | None, float | None]:
-    """(``ExtendPlan.run`` ms, ``extend_int2`` ms) of one chunk after ``prefix`` cached positions."""
+def time_extend(prefix: int, chunk: int, gen: torch.Generator) -> dict[str, float | None]:
+    """ms of one chunk after ``prefix`` cached positions: the plan's run, and each attention path alone."""
     pool, plan, q, k, v = setup(prefix, chunk, gen)
-    sk, sv = plan._buffers["scratch_k"][:chunk], plan._buffers["scratch_v"][:chunk]
-    return (ms(lambda: plan.run(0, q, k, v)),
-            ms(lambda: extend_int2(q, sk, sv, pool.layer(0), plan.index, new_kv_rotated=True)))
+    assert plan.dequantised  # one sequence: its INT2 list fits the plan's scratch
+    b = plan._buffers
+    sk, sv = b["scratch_k"][:chunk], b["scratch_v"][:chunk]
+    n_int2 = plan.int2_tokens
+    cache, index = pool.layer(0), plan.index
+    out = {"ExtendPlan.run": ms(lambda: plan.run(0, q, k, v)),
+           "fused extend_int2": ms(lambda: extend_int2(q, sk, sv, cache, index, new_kv_rotated=True)),
+           "dequantised, 2 heads/pass": ms(lambda: extend_int2_dequant(q, sk, sv, cache, index, (b["deq_k"], b["deq_v"]),
+                                                                       n_int2, new_kv_rotated=True))}
+    if n_int2:
+        all_heads = dequant_scratch(HKV, D, n_int2, DEV, heads=HKV)
+        out["dequantised, 8 heads/pass"] = ms(lambda: extend_int2_dequant(q, sk, sv, cache, index, all_heads, n_int2,
+                                                                          new_kv_rotated=True))
+        del all_heads
+    else:
+        out["dequantised, 8 heads/pass"] = out["dequantised, 2 heads/pass"]
+    return out
 
 
-def sweep(prefix: int, chunk: int, gen: torch.Generator) -> list[str]:
-    """``extend_int2`` of one chunk after ``prefix`` positions over :data:`SWEEP`, as markdown table lines."""
+def sweep(prefix: int, chunk: int, gen: torch.Generator, fused: bool) -> list[str]:
+    """One attention path of one chunk after ``prefix`` positions over its launch parameters, as table lines."""
     pool, plan, q, _, _ = setup(prefix, chunk, gen)
-    sk, sv = plan._buffers["scratch_k"][:chunk], plan._buffers["scratch_v"][:chunk]
+    b = plan._buffers
+    sk, sv = b["scratch_k"][:chunk], b["scratch_v"][:chunk]
     rows = []
-    for kw in SWEEP:
-        t = ms(lambda kw=kw: extend_int2(q, sk, sv, pool.layer(0), plan.index, new_kv_rotated=True, **kw))
+    for kw in SWEEP if fused else SWEEP_DEQ:
+        if fused:
+            fn = lambda kw=kw: extend_int2(q, sk, sv, pool.layer(0), plan.index, new_kv_rotated=True, **kw)  # noqa: E731
+        else:
+            fn = lambda kw=kw: extend_int2_dequant(q, sk, sv, pool.layer(0), plan.index,  # noqa: E731
+                                                   (b["deq_k"], b["deq_v"]), plan.int2_tokens, new_kv_rotated=True,
+                                                   **kw)
+        t = ms(fn)
         rows.append([kw["block_m"], kw["block_n"], kw["num_warps"], kw["num_stages"], "—" if t is None else f"{t:.3f}"])
         print(rows[-1], flush=True)
-    return markdown_table(["block_m", "block_n", "warps", "stages", "extend_int2 ms"], rows).splitlines()
+    name = "extend_int2 ms" if fused else "extend_int2_dequant ms"
+    return markdown_table(["block_m", "block_n", "warps", "stages", name], rows).splitlines()
 
 
 def ms(fn) -> float | None:
@@ -127,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--prefixes", default="0,16384,49152,90112")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="sweep the dequantised path's launch parameters first")
+    ap.add_argument("--sweep-fused", action="store_true", help="sweep the fused kernel's launch parameters first")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
@@ -137,14 +167,19 @@ def main(argv: list[str] | None = None) -> None:
 
     prefixes = [int(p) for p in args.prefixes.split(",")]
     gen = torch.Generator(device=DEV).manual_seed(0)
-    sweep_lines = sweep(max(prefixes), args.chunk, gen) if args.sweep else []
-    cols = {"ExtendPlan.run": {}, "extend_int2": {}, "cuDNN BF16": {}, "flash BF16": {}}
+    sweeps = []
+    for flag, fused, what in ((args.sweep, False, "`extend_int2_dequant`"), (args.sweep_fused, True, "`extend_int2`")):
+        if flag:
+            sweeps.append(f"{what} at the longest prefix over launch parameters:\n\n"
+                          + "\n".join(sweep(max(prefixes), args.chunk, gen, fused)))
+            torch.cuda.empty_cache()
+    cols: dict[str, dict[int, float | None]] = {}
     for p in prefixes:
-        run_ms, ext_ms = time_extend(p, args.chunk, gen)
+        for name, t in time_extend(p, args.chunk, gen).items():
+            cols.setdefault(name, {})[p] = t
         torch.cuda.empty_cache()
-        cols["ExtendPlan.run"][p], cols["extend_int2"][p] = run_ms, ext_ms
-        cols["cuDNN BF16"][p] = ms(sdpa_fn(p, args.chunk, SDPBackend.CUDNN_ATTENTION, gen))
-        cols["flash BF16"][p] = ms(sdpa_fn(p, args.chunk, SDPBackend.FLASH_ATTENTION, gen))
+        cols.setdefault("cuDNN BF16", {})[p] = ms(sdpa_fn(p, args.chunk, SDPBackend.CUDNN_ATTENTION, gen))
+        cols.setdefault("flash BF16", {})[p] = ms(sdpa_fn(p, args.chunk, SDPBackend.FLASH_ATTENTION, gen))
         print(f"prefix {p}: " + ", ".join(f"{k} {v[p]}" for k, v in cols.items()), flush=True)
     fmt = lambda t: "—" if t is None else f"{t:.3f}"  # noqa: E731
     rows = [[f"{p:,}", *[fmt(c[p]) for c in cols.values()]] for p in prefixes]
@@ -154,8 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                  *["—" if t is None else f"{t * LAYERS / 1e3:.2f}" for t in totals.values()]])
     table = markdown_table(["prefix", *[f"{k} ms" for k in cols]], rows)
     print(table)
-    extra = ("`extend_int2` at the longest prefix over launch parameters:\n\n" + "\n".join(sweep_lines)
-             if sweep_lines else "")
+    extra = "\n\n".join(sweeps)
     append_section(args.results, "Chunked prefill, one layer", torch.cuda.get_device_name(),
                    args.commit or code_version(),
                    f"Qwen3-8B attention (32 q / 8 KV heads, d 128), chunks of {args.chunk} tokens after each prefix, "

@@ -147,9 +147,10 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
         pool = Int2KVPool(scheme, 1, kv_heads, d, 256, 2, rot, rot.clone(), clip_k=0.9, clip_v=0.95)
         r2t = torch.arange(256, dtype=torch.int32).view(2, 128)
         i = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-        ext = ExtendPlan(pool, 2, 64, 128)
-        ext.plan(r2t, i(0, 1), i(0, 10), i(40, 24), torch.cat([r2t[0, :40], r2t[1, 10:34]]))
-        ext.run(0, *(torch.randn(64, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        for deq in (None, 0):  # the dequantised-prefix path (the default here), then the fused kernel
+            ext = ExtendPlan(pool, 2, 64, 128, dequant_tokens=deq)
+            ext.plan(r2t, i(0, 1), i(0, 10), i(40, 24), torch.cat([r2t[0, :40], r2t[1, 10:34]]))
+            ext.run(0, *(torch.randn(64, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
         for row_kernel in (None, False):  # the default path for this group, and the general one (PTX unpacks at g = d)
             dec = DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel)
             dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .decode_int2 import dot_nt, exact_tile, softmax_step
-from .layout import LayerCache, check_index, check_query, check_seq, dequantize_ref, gpu_codegen
+from .layout import LayerCache, _interpreting, check_index, check_query, check_seq, dequantize_ref, gpu_codegen
 
 DEFAULT_BLOCK_M = 64
 """Rows of the M dimension per program: ``BLOCK_T = DEFAULT_BLOCK_M / GQA_P`` tokens times the padded GQA group
@@ -386,4 +386,309 @@ def extend_int2_ref(
             sc = ((qr @ k[:, kh].T) * sm_scale).masked_fill(~allowed, float("-inf"))
             p = torch.softmax(sc, dim=-1).nan_to_num(0.0)  # a row with no key (padding) gives 0
             out[q0:q1, h] = (p @ v[:, kh]) @ rv[kh].T
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dequantised-prefix path: the INT2 list dequantised once per layer and head group, then one flash-attention loop
+
+DEQUANT_BLOCK_E = 64
+"""INT2 positions per program of ``_dequant_list_kernel`` (a bandwidth-bound copy; not swept)."""
+DEQUANT_SCRATCH_BYTES = 128 << 20
+"""Default bound of the dequantised scratch an :class:`~oscar_kernels.plan.ExtendPlan` allocates: as many KV heads
+per pass as fit (2 at Qwen3-8B shapes with a 131k context: fp16 K + bf16 V, 4 bytes per element)."""
+DEQ_BLOCK_M = 128
+"""Rows (tokens x padded GQA group) per program of the dequantised-prefix kernel (32 tokens x 4 heads at GQA 4)."""
+DEQ_BLOCK_N = 64
+"""Keys per tile of the dequantised-prefix kernel."""
+DEQ_WARPS = 8
+DEQ_STAGES = 3
+
+
+@triton.jit
+def _dequant_list_kernel(
+    KV_INDPTR, KV_INDICES,
+    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
+    K_OUT, V_OUT,
+    batch, head0,
+    stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+    stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+    stride_oh, stride_on,
+    HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Element ``e`` of the batch's INT2 list (all sequences back to back) -> row ``e`` of the scratch, head
+    ``head0 + program_id(1)``, in the natural rotated element order: K ``code*s + z`` rounded to fp16 (the QK dot's
+    type), V to bf16 (the PV dot's), as the fused kernel rounds them in registers."""
+    pe = tl.program_id(0)
+    hl = tl.program_id(1)
+    kvh = head0 + hl
+    n = tl.load(KV_INDPTR + batch)
+    if pe * BLOCK_E < n:
+        D4: tl.constexpr = HEAD_DIM // 4
+        BQ: tl.constexpr = GROUP_SIZE // 4
+        offs_m = tl.arange(0, D4)
+        col0 = (offs_m // BQ) * GROUP_SIZE + offs_m % BQ
+        gidx = offs_m // BQ
+        e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+        me = (e < n)[:, None]
+        slot = tl.load(KV_INDICES + e, mask=e < n, other=0).to(tl.int64)
+        row = hl * stride_oh + e.to(tl.int64)[:, None] * stride_on + col0[None, :]
+        kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :], mask=me, other=0)
+        ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :], mask=me, other=0.0)
+        kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :], mask=me, other=0.0)
+        ks = ks.to(tl.float32)
+        kz = kz.to(tl.float32)
+        for j in tl.static_range(4):
+            x = ((kc >> (2 * j)) & 3).to(tl.float32) * ks + kz
+            tl.store(K_OUT + row + j * BQ, x.to(K_OUT.dtype.element_ty), mask=me)
+        vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :], mask=me, other=0)
+        vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :], mask=me, other=0.0)
+        vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :], mask=me, other=0.0)
+        vs = vs.to(tl.float32)
+        vz = vz.to(tl.float32)
+        for j in tl.static_range(4):
+            x = ((vc >> (2 * j)) & 3).to(tl.float32) * vs + vz
+            tl.store(V_OUT + row + j * BQ, x.to(V_OUT.dtype.element_ty), mask=me)
+
+
+@triton.jit
+def _online_step(s, m_i, l_i, acc, v, PV_T: tl.constexpr):
+    """One online-softmax step over a tile: scores ``s`` [M, N] (base 2, -inf = masked), values ``v`` [N, d]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(PV_T), v.to(PV_T), acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_deq_kernel(
+    Q, K_NEW, V_NEW, QO_INDPTR, Q_POS0, START,
+    K_DEQ, V_DEQ, K_BF16, V_BF16,
+    KV_INDPTR, BF16_INDPTR, BF16_INDICES, BF16_POS,
+    OUT,
+    sink, recent, head0,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_dh, stride_dn,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    stride_on, stride_oh,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, QK_T: tl.constexpr, PV_T: tl.constexpr,
+):
+    """Design P over the dequantised INT2 list (rows ``kv_indptr[b] + e`` of ``K_DEQ``/``V_DEQ``, head ``program_id(1)``
+    of the pass), the cached exact rows and the chunk; the same key sets and masks as ``_extend_int2_kernel``, in the
+    natural element order. INT2 tiles every row of the block uses run without masks."""
+    b = tl.program_id(0)
+    hl = tl.program_id(1)
+    kvh = head0 + hl
+    mb = tl.program_id(2)
+    M: tl.constexpr = BLOCK_T * BLOCK_H
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q_start = tl.load(QO_INDPTR + b)
+    q_len = tl.load(QO_INDPTR + b + 1) - q_start
+    i0 = mb * BLOCK_T
+    if i0 < q_len:
+        i1 = tl.minimum(i0 + BLOCK_T, q_len)
+        pos0 = tl.load(Q_POS0 + b)
+        first = tl.load(START + b)
+        sink_end = first + sink
+        offs_r = tl.arange(0, M)
+        tok = i0 + offs_r // BLOCK_H
+        hh = offs_r % BLOCK_H
+        mask_r = (tok < q_len) & (hh < GQA)
+        t = pos0 + tok
+        t_win = t - recent
+        q_rows = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qn + (kvh * GQA + hh)[:, None] * stride_qh
+        mq = mask_r[:, None]
+        q = tl.load(q_rows + offs_d[None, :], mask=mq, other=0.0).to(QK_T)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, HEAD_DIM], tl.float32)
+
+        # ---- INT2 (dequantised): element e is position sink_end + e, used iff sink_end + e <= t - recent ----
+        kv_start = tl.load(KV_INDPTR + b)
+        kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
+        t_last = pos0 + i1 - 1
+        n_int2 = tl.minimum(tl.maximum(t_last - recent - sink_end + 1, 0), kv_len)
+        n_all = tl.minimum(tl.maximum(pos0 + i0 - recent - sink_end + 1, 0), kv_len)  # every row uses these
+        n_all = (n_all // BLOCK_N) * BLOCK_N
+        offs_n0 = tl.arange(0, BLOCK_N)
+        k_base = K_DEQ + hl * stride_dh + kv_start.to(tl.int64) * stride_dn + offs_d[None, :]
+        v_base = V_DEQ + hl * stride_dh + kv_start.to(tl.int64) * stride_dn + offs_d[None, :]
+        for e0 in range(0, n_all, BLOCK_N):
+            rows = (e0 + offs_n0).to(tl.int64)[:, None] * stride_dn
+            k = tl.load(k_base + rows)
+            s = tl.dot(q, tl.trans(k.to(QK_T)))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = tl.load(v_base + rows)
+            acc = tl.dot(p.to(PV_T), v.to(PV_T), acc)
+            m_i = m_new
+        for e0 in range(n_all, n_int2, BLOCK_N):  # the diagonal band: some rows do not use every key
+            offs_n = e0 + offs_n0
+            mask_n = offs_n < n_int2
+            rows = offs_n.to(tl.int64)[:, None] * stride_dn
+            k = tl.load(k_base + rows, mask=mask_n[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k.to(QK_T)))
+            use = mask_n[None, :] & ((sink_end + offs_n)[None, :] <= t_win[:, None])
+            s = tl.where(use, s, float("-inf"))
+            v = tl.load(v_base + rows, mask=mask_n[:, None], other=0.0)
+            m_i, l_i, acc = _online_step(s, m_i, l_i, acc, v, PV_T)
+
+        # ---- cached exact rows (prefix sinks and ring): used iff j < sink_end or j > t - recent ----
+        bf_start = tl.load(BF16_INDPTR + b)
+        bf_len = tl.load(BF16_INDPTR + b + 1) - bf_start
+        win_lo = pos0 + i0 - recent
+        for e0 in range(0, bf_len, BLOCK_N):
+            offs_n = e0 + offs_n0
+            mask_n = offs_n < bf_len
+            pos = tl.load(BF16_POS + bf_start + offs_n, mask=mask_n, other=0)
+            wanted = mask_n & ((pos < sink_end) | (pos > win_lo))
+            if tl.max(wanted.to(tl.int32), 0) > 0:
+                rows = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+                mn = mask_n[:, None]
+                k = tl.load(K_BF16 + rows[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=mn,
+                            other=0.0)
+                s = tl.dot(q, tl.trans(k.to(QK_T)))
+                use = mask_n[None, :] & ((pos[None, :] < sink_end) | (pos[None, :] > t_win[:, None]))
+                s = tl.where(use, s, float("-inf"))
+                v = tl.load(V_BF16 + rows[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=mn,
+                            other=0.0)
+                m_i, l_i, acc = _online_step(s, m_i, l_i, acc, v, PV_T)
+
+        # ---- the chunk itself (exact): its sinks, then the block's windows ----
+        sink_hi = tl.minimum(tl.maximum(sink_end - pos0, 0), i1)
+        n_sink_tiles = tl.cdiv(sink_hi, BLOCK_N)
+        w0 = tl.maximum(tl.maximum(i0 + 1 - recent, 0), n_sink_tiles * BLOCK_N)
+        n_tiles = n_sink_tiles + tl.cdiv(tl.maximum(i1 - w0, 0), BLOCK_N)
+        for it in range(0, n_tiles):
+            e0 = tl.where(it < n_sink_tiles, it * BLOCK_N, w0 + (it - n_sink_tiles) * BLOCK_N)
+            offs_n = e0 + offs_n0
+            mask_n = offs_n < i1
+            rows = (q_start + offs_n).to(tl.int64)
+            mn = mask_n[:, None]
+            k = tl.load(K_NEW + rows[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=mn, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(QK_T)))
+            j = (pos0 + offs_n)[None, :]
+            use = mask_n[None, :] & (j >= first) & (j <= t[:, None]) & ((j < sink_end) | (j > t_win[:, None]))
+            s = tl.where(use, s, float("-inf"))
+            v = tl.load(V_NEW + rows[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=mn, other=0.0)
+            m_i, l_i, acc = _online_step(s, m_i, l_i, acc, v, PV_T)
+
+        inv_l = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+        o_rows = OUT + (q_start + tok).to(tl.int64)[:, None] * stride_on + (kvh * GQA + hh)[:, None] * stride_oh
+        tl.store(o_rows + offs_d[None, :], acc * inv_l[:, None], mask=mq)
+
+
+def dequant_scratch(kv_heads: int, head_dim: int, tokens: int, device: torch.device | str,
+                    max_bytes: int = DEQUANT_SCRATCH_BYTES, heads: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for :func:`extend_int2_dequant`: fp16 K and bf16 V ``[heads, tokens, d]`` (fp32 both under
+    ``TRITON_INTERPRET=1``, where every dot is fp32). ``heads`` (KV heads per pass) defaults to the most, up to
+    ``kv_heads``, whose two tensors fit ``max_bytes`` at 2 bytes per element (at least 1)."""
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    if heads is None:
+        heads = max(1, min(kv_heads, max_bytes // max(4 * tokens * head_dim, 1)))
+    if not 1 <= heads <= kv_heads:
+        raise ValueError(f"heads per pass must be in [1, {kv_heads}], got {heads}")
+    kt, vt = (torch.float32, torch.float32) if _interpreting() else (torch.float16, torch.bfloat16)
+    return (torch.empty(heads, tokens, head_dim, dtype=kt, device=device),
+            torch.empty(heads, tokens, head_dim, dtype=vt, device=device))
+
+
+def extend_int2_dequant(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+    cache: LayerCache, index: ExtendIndex,
+    scratch: tuple[torch.Tensor, torch.Tensor], int2_tokens: int,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    new_kv_rotated: bool = False,
+    block_m: int = DEQ_BLOCK_M,
+    block_n: int = DEQ_BLOCK_N,
+    num_warps: int = DEQ_WARPS,
+    num_stages: int = DEQ_STAGES,
+) -> torch.Tensor:
+    """:func:`extend_int2` (same arguments, same result up to rounding order) through a dequantised copy of the INT2
+    list: per pass of ``h = scratch[0].shape[0]`` KV heads, ``_dequant_list_kernel`` writes every listed INT2 row of
+    those heads once (``int2_tokens`` x ``h`` rows, fp16 K / bf16 V, the types the fused kernel rounds them to), then
+    ``_extend_deq_kernel`` runs one flash-attention loop over plain tiles, so the dequantisation is paid once per
+    cached token and head instead of once per block of queries.
+
+    Args:
+        scratch: :func:`dequant_scratch` tensors ``[h, T, d]`` (``T >= int2_tokens``).
+        int2_tokens: host bound of the batch's INT2 list length ``kv_indptr[B]`` (sets the dequantisation grid).
+        block_m, block_n, num_warps, num_stages: the attention kernel's tiles (``DEQ_*`` defaults).
+    """
+    _check(q, k_new, v_new, cache, index)
+    n, hq, d = q.shape
+    hkv = cache.kv_heads
+    sk, sv = scratch
+    if (sk.dtype, sv.dtype) not in ((torch.float16, torch.bfloat16), (torch.float32, torch.float32)) \
+            or sk.shape != sv.shape or sk.dim() != 3 \
+            or sk.shape[2] != d or sk.shape[0] > hkv or sk.stride(-1) != 1 or sv.stride() != sk.stride():
+        raise ValueError(f"scratch must be dequant_scratch({hkv}, {d}, T) tensors, got {tuple(sk.shape)} "
+                         f"{sk.dtype} / {tuple(sv.shape)} {sv.dtype}")
+    if not isinstance(int2_tokens, int) or not 0 <= int2_tokens <= sk.shape[1]:
+        raise ValueError(f"int2_tokens must be a host int in [0, {sk.shape[1]}] (the scratch's rows), "
+                         f"got {int2_tokens!r}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape:
+        raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    bsz = index.batch
+    if n == 0 or bsz == 0 or index.max_new_len == 0:
+        return out
+    gqa = hq // hkv
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    qr = _rotate(q, cache.rot_k, hq) * (sm_scale * math.log2(math.e))
+    if new_kv_rotated:
+        kr, vr = k_new, v_new
+    else:
+        kr = _rotate(k_new, cache.rot_k, hkv).to(torch.bfloat16)
+        vr = _rotate(v_new, cache.rot_v, hkv).to(torch.bfloat16)
+    if kr.stride(-1) != 1 or vr.stride(-1) != 1:
+        raise ValueError("k_new/v_new must have a contiguous last dim")
+    o_rot = torch.empty(n, hq, d, dtype=torch.float32, device=q.device)
+    fp32_dot = not gpu_codegen(q)
+    block_h = triton.next_power_of_2(gqa)
+    block_t = max(1, block_m // block_h)
+    k, v = cache.k, cache.v
+    per_pass = sk.shape[0]
+    for h0 in range(0, hkv, per_pass):
+        heads = min(per_pass, hkv - h0)
+        if int2_tokens:
+            _dequant_list_kernel[(triton.cdiv(int2_tokens, DEQUANT_BLOCK_E), heads)](
+                index.kv_indptr, index.kv_indices,
+                k.codes, k.scale, k.zero, v.codes, v.scale, v.zero,
+                sk, sv, bsz, h0,
+                k.codes.stride(0), k.codes.stride(1), k.scale.stride(0), k.scale.stride(1),
+                k.zero.stride(0), k.zero.stride(1),
+                v.codes.stride(0), v.codes.stride(1), v.scale.stride(0), v.scale.stride(1),
+                v.zero.stride(0), v.zero.stride(1),
+                sk.stride(0), sk.stride(1),
+                HEAD_DIM=d, GROUP_SIZE=cache.group_size, BLOCK_E=DEQUANT_BLOCK_E,
+            )
+        _extend_deq_kernel[(bsz, heads, triton.cdiv(index.max_new_len, block_t))](
+            qr, kr, vr, index.qo_indptr, index.q_pos0, index.start,
+            sk, sv, cache.k_bf16, cache.v_bf16,
+            index.kv_indptr, index.bf16_indptr, index.bf16_indices, index.bf16_pos,
+            o_rot,
+            index.sink, index.recent, h0,
+            qr.stride(0), qr.stride(1), kr.stride(0), kr.stride(1), vr.stride(0), vr.stride(1),
+            sk.stride(0), sk.stride(1),
+            cache.k_bf16.stride(0), cache.k_bf16.stride(1), cache.v_bf16.stride(0), cache.v_bf16.stride(1),
+            o_rot.stride(0), o_rot.stride(1),
+            GQA=gqa, BLOCK_H=block_h, BLOCK_T=block_t, HEAD_DIM=d, BLOCK_N=block_n,
+            QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    out.copy_(_rotate(o_rot, cache.rot_v.transpose(1, 2), hq))
     return out

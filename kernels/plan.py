@@ -36,12 +36,19 @@ from .decode_int2 import (
     MIN_SPLIT_TOKENS,
     DecodeIndex,
     decode_int2,
-    decode_workspace,
     row_path,
     split_count,
     split_policy,
 )
-from .extend_int2 import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, ExtendIndex, extend_int2
+from .extend_int2 import (
+    DEFAULT_BLOCK_M,
+    DEFAULT_BLOCK_N,
+    DEQUANT_SCRATCH_BYTES,
+    ExtendIndex,
+    dequant_scratch,
+    extend_int2,
+    extend_int2_dequant,
+)
 from .layout import exact_row, exact_row_ref
 from .pool import Int2KVPool
 from .quantize_pack import DECODE_WRITE
@@ -215,15 +222,18 @@ class DecodePlan(_Plan):
 
     Allocates at construction (``workspace_bytes()`` counts them): ``kv_indices`` int32 ``[max_batch * max_seq_len]``,
     ``bf16_indices`` int32 ``[max_batch * (sink + recent)]``, the ``[max_batch + 1]`` indptr arrays, ``num_splits``,
-    per-sequence request / position / start / slot / exact-row buffers, and the decode workspace (``part_o`` fp32
-    ``[max_batch, q_heads, max_splits + 1, d]``, ``part_lse``, ``q_rot``).
+    per-sequence request / position / start / slot / exact-row buffers, and the decode workspace (``part_o`` fp32,
+    ``part_lse``, ``q_rot``), flat: sized for the batch size ``B <= max_batch`` whose ``B * (bound(B) + 1)`` partials
+    are the most (the full batch at the default policy), viewed per plan as ``[B, q_heads, bound(B) + 1, d]``.
 
     Args:
         pool: the :class:`~oscar_kernels.pool.Int2KVPool` the steps read and write.
         max_batch, max_seq_len: capacity.
-        max_splits: the INT2 split bound of the grid (default: :func:`~oscar_kernels.decode_int2.split_policy` for a
-            uniform ``max_batch`` batch at ``max_seq_len``, i.e. the measured defaults' counts at that bound; a
-            smaller batch of shorter sequences then gets the same counts as the old host policy, capped here).
+        max_splits: the INT2 split bound of every batch's grid. Default: per batch size, the bound of a batch of
+            ``B`` sequences is :func:`~oscar_kernels.decode_int2.split_policy` for a uniform ``B``-sequence batch at
+            ``max_seq_len`` (the measured defaults' counts at that bound), so a lone long sequence gets the splits
+            that fill the GPU (128 at 128k on Qwen3-8B shapes) while a full batch keeps its own (64). Either way the
+            bound is constant per batch size, so a CUDA graph captured for ``B`` replays with any lengths.
         q_heads: query heads (sets the workspace).
         sm_scale: softmax scale (default ``1/sqrt(d)``).
         split_tokens, min_programs, min_split_tokens: the split policy's knobs
@@ -246,20 +256,38 @@ class DecodePlan(_Plan):
         self.row_kernel = row_path(pool.layer(0), row_kernel)
         self._policy_args = dict(min_programs=min_programs, split_tokens=split_tokens,
                                  min_split_tokens=min_split_tokens)
-        self.max_splits = split_policy(max_batch, pool.kv_heads, self._int2_len(max_seq_len), self.row_kernel,
-                                       max_splits, **self._policy_args).max_splits
+        self.split_cap = max_splits
+        self._bounds = [self._grid_bound(bsz) for bsz in range(max_batch + 1)]
+        self.max_splits = max(self._bounds)
+        """The largest grid split bound of any batch size (a one-sequence batch's, at the default policy)."""
         self.sm_scale = 1.0 / math.sqrt(pool.head_dim) if sm_scale is None else sm_scale
         self.tuning = tuning
         self.write_tuning = dict(DECODE_WRITE if write_tuning is None else write_tuning)
         b = self._buffers
         b["qo_indptr"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))  # one token per sequence
         b["ext"].fill_(1)
-        part_o, part_lse, q_rot = decode_workspace(max_batch, q_heads, pool.head_dim, self.max_splits, pool.device)
-        b["part_o"], b["part_lse"], b["q_rot"] = part_o, part_lse, q_rot
+        parts = max(bsz * (self._bounds[bsz] + 1) for bsz in range(1, max_batch + 1))
+        f32 = dict(dtype=torch.float32, device=pool.device)
+        b["part_o"] = torch.empty(parts * q_heads * pool.head_dim, **f32)
+        b["part_lse"] = torch.empty(parts * q_heads, **f32)
+        b["q_rot"] = torch.empty(max_batch * q_heads * pool.head_dim, **f32)
         self.index: DecodeIndex | None = None
 
     def _int2_len(self, seq_len: int) -> int:
         return max(seq_len - self.pool.sink - self.pool.recent, 1)
+
+    def _grid_bound(self, bsz: int) -> int:
+        """Host int: the split bound of a ``bsz``-sequence batch's grid (its uniform batch at ``max_seq_len``)."""
+        if self.split_cap is not None:
+            return split_policy(1, self.pool.kv_heads, 1, self.row_kernel, self.split_cap).max_splits  # validated
+        return split_policy(max(bsz, 1), self.pool.kv_heads, self._int2_len(self.max_seq_len), self.row_kernel,
+                            None, **self._policy_args).max_splits
+
+    def grid_bound(self, bsz: int) -> int:
+        """The split bound (grid and workspace) a batch of ``bsz`` sequences is planned with."""
+        if not 1 <= bsz <= self.max_batch:
+            raise ValueError(f"batch {bsz} is outside [1, {self.max_batch}]")
+        return self._bounds[bsz]
 
     def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
              out_cache_loc: torch.Tensor, start: torch.Tensor | None = None, max_seq_len: int | None = None) -> None:
@@ -278,13 +306,17 @@ class DecodePlan(_Plan):
         _check_len("seq_lens", seq_lens, bsz)
         _check_len("out_cache_loc", out_cache_loc, bsz)
         bound = self._int2_len(min(max_seq_len or self.max_seq_len, self.max_seq_len))
-        policy = split_policy(bsz, self.pool.kv_heads, bound, self.row_kernel, self.max_splits, **self._policy_args)
+        grid = self._bounds[max(bsz, 1)]
+        policy = split_policy(bsz, self.pool.kv_heads, bound, self.row_kernel, grid, **self._policy_args)
         self._fill(req_to_token, req_pool_indices, seq_lens, None, start, out_cache_loc, bsz, policy)
         b = self._buffers
         self.batch = self.tokens = bsz
         self.index = DecodeIndex(b["kv_indptr"][:bsz + 1], b["kv_indices"], b["bf16_indptr"][:bsz + 1],
-                                 b["bf16_indices"], b["num_splits"][:bsz], self.max_splits)
-        self._workspace = (b["part_o"][:bsz], b["part_lse"][:bsz], b["q_rot"][:bsz])
+                                 b["bf16_indices"], b["num_splits"][:bsz], grid)
+        hq, d, parts = self.q_heads, self.pool.head_dim, grid + 1
+        self._workspace = (b["part_o"][:bsz * hq * parts * d].view(bsz, hq, parts, d),
+                           b["part_lse"][:bsz * hq * parts].view(bsz, hq, parts),
+                           b["q_rot"][:bsz * hq * d].view(bsz, hq, d))
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor | None = None) -> torch.Tensor:
@@ -312,29 +344,56 @@ class ExtendPlan(_Plan):
     ``[max_batch * max_seq_len]``, ``bf16_indices``/``bf16_pos`` int32 ``[max_batch * (sink + recent)]``, indptr
     arrays, per-sequence buffers), per-token slots and exact rows ``[max_tokens]``, and bf16 scratch
     ``[max_tokens, Hkv, d]`` for K and V holding the chunk's rotated rows (written by the same ``quantize_pack``
-    launch as the INT2 codes, read by the attention, then copied to their exact rows).
+    launch as the INT2 codes, read by the attention, then copied to their exact rows), and the dequantised-prefix
+    scratch (:func:`~oscar_kernels.extend_int2.dequant_scratch`: ``dequant_tokens`` rows of ``dequant_heads`` KV
+    heads, fp16 K / bf16 V).
+
+    A batch whose INT2 lists fit the scratch (``int2_tokens <= dequant_tokens``, host ints) runs
+    :func:`~oscar_kernels.extend_int2.extend_int2_dequant`: its INT2 rows dequantised once per layer, then one
+    flash-attention loop; a larger one runs the fused :func:`~oscar_kernels.extend_int2.extend_int2`, which
+    dequantises each tile in registers once per block of queries. Both compute Design P.
 
     Args:
         pool, max_batch, max_tokens, max_seq_len: as above.
         sm_scale: softmax scale (default ``1/sqrt(d)``).
-        block_m, block_n, **tuning: passed to :func:`~oscar_kernels.extend_int2.extend_int2`.
+        dequant_tokens: INT2 rows the scratch holds (default ``max_seq_len``: any one sequence; 0: never use it).
+        dequant_heads: KV heads per dequantised pass (default: as many as fit ``DEQUANT_SCRATCH_BYTES``).
+        dequant_tuning: tiles of :func:`~oscar_kernels.extend_int2.extend_int2_dequant` (``block_m``, ``block_n``,
+            ``num_warps``, ``num_stages``; defaults ``DEQ_*``).
+        block_m, block_n, **tuning: passed to the fused :func:`~oscar_kernels.extend_int2.extend_int2`.
     """
 
     def __init__(self, pool: Int2KVPool, max_batch: int, max_tokens: int, max_seq_len: int, *,
-                 sm_scale: float | None = None, block_m: int = DEFAULT_BLOCK_M, block_n: int = DEFAULT_BLOCK_N,
-                 **tuning):
+                 sm_scale: float | None = None, dequant_tokens: int | None = None,
+                 dequant_heads: int | None = None, dequant_tuning: dict | None = None,
+                 block_m: int = DEFAULT_BLOCK_M, block_n: int = DEFAULT_BLOCK_N, **tuning):
         super().__init__(pool, max_batch, max_seq_len, max_tokens)
         self.sm_scale = 1.0 / math.sqrt(pool.head_dim) if sm_scale is None else sm_scale
         self.tuning = dict(block_m=block_m, block_n=block_n, **tuning)
+        self.dequant_tuning = dict(dequant_tuning or {})
         b = self._buffers
         b["arange"] = torch.arange(max_tokens, dtype=torch.int32, device=pool.device)
         for name in ("scratch_k", "scratch_v"):
             b[name] = torch.empty(max_tokens, pool.kv_heads, pool.head_dim, dtype=torch.bfloat16, device=pool.device)
+        self.dequant_tokens = max_seq_len if dequant_tokens is None else dequant_tokens
+        if self.dequant_tokens < 0:
+            raise ValueError(f"dequant_tokens must be >= 0, got {self.dequant_tokens}")
+        if self.dequant_tokens:
+            b["deq_k"], b["deq_v"] = dequant_scratch(pool.kv_heads, pool.head_dim, self.dequant_tokens, pool.device,
+                                                     DEQUANT_SCRATCH_BYTES, dequant_heads)
+        self.int2_tokens: int | None = None
+        """Host bound of the planned batch's INT2 list length; the dequantised path runs iff it fits the scratch."""
         self.index: ExtendIndex | None = None
+
+    @property
+    def dequantised(self) -> bool:
+        """Whether the planned batch runs the dequantised-prefix path."""
+        return self.int2_tokens is not None and 0 < self.dequant_tokens and self.int2_tokens <= self.dequant_tokens
 
     def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
              extend_lens: torch.Tensor, out_cache_loc: torch.Tensor, start: torch.Tensor | None = None,
-             max_extend_len: int | None = None, max_seq_len: int | None = None) -> None:
+             max_extend_len: int | None = None, max_seq_len: int | None = None,
+             int2_tokens: int | None = None) -> None:
         """Fill the lists of one extend step (device work only).
 
         Args:
@@ -346,6 +405,9 @@ class ExtendPlan(_Plan):
             start: optional int32/int64 ``[B]`` first real position (default 0).
             max_extend_len: host bound of ``extend_lens`` (sets the grid; default ``N``).
             max_seq_len: host bound of ``prefix_lens + extend_lens`` (checked against the construction's).
+            int2_tokens: host bound of the batch's INT2 rows, ``sum(max(0, c1 - recent - start - sink))`` over its
+                sequences (``c1`` = prefix + extend length); decides the dequantised path. Default: computed when
+                the lengths are CPU tensors, else ``B * max_seq_len``.
         """
         bsz = _check_batch(req_to_token, req_pool_indices, self.max_batch)
         _check_len("prefix_lens", prefix_lens, bsz)
@@ -357,6 +419,18 @@ class ExtendPlan(_Plan):
         if max_seq_len is not None and max_seq_len > self.max_seq_len:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the plan's {self.max_seq_len}")
         self._fill(req_to_token, req_pool_indices, prefix_lens, extend_lens, start, out_cache_loc, bsz)
+        if int2_tokens is None:
+            on_cpu = all(t is None or t.device.type == "cpu" for t in (prefix_lens, extend_lens, start))
+            if on_cpu:
+                st = 0 if start is None else start.long()
+                lo = st + self.pool.sink
+                hi = torch.clamp_max(prefix_lens.long() + extend_lens.long(), self.max_seq_len) - self.pool.recent
+                int2_tokens = int(torch.clamp_min(hi - lo, 0).sum())
+            else:
+                int2_tokens = bsz * (max_seq_len or self.max_seq_len)
+        if not isinstance(int2_tokens, int) or int2_tokens < 0:
+            raise ValueError(f"int2_tokens must be a host int >= 0, got {int2_tokens!r}")
+        self.int2_tokens = int2_tokens
         b = self._buffers
         self.batch, self.tokens = bsz, n
         self.index = ExtendIndex(b["qo_indptr"][:bsz + 1], b["c0"][:bsz], b["start"][:bsz], b["kv_indptr"][:bsz + 1],
@@ -373,8 +447,13 @@ class ExtendPlan(_Plan):
         n, b = self.tokens, self._buffers
         sk, sv = b["scratch_k"][:n], b["scratch_v"][:n]
         self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["arange"][:n], bf16_out=(sk, sv))
-        out = extend_int2(q, sk, sv, self.pool.layer(layer), self.index, sm_scale=self.sm_scale, out=out,
-                          new_kv_rotated=True, **self.tuning)
+        if self.dequantised:
+            out = extend_int2_dequant(q, sk, sv, self.pool.layer(layer), self.index, (b["deq_k"], b["deq_v"]),
+                                      self.int2_tokens, sm_scale=self.sm_scale, out=out, new_kv_rotated=True,
+                                      **self.dequant_tuning)
+        else:
+            out = extend_int2(q, sk, sv, self.pool.layer(layer), self.index, sm_scale=self.sm_scale, out=out,
+                              new_kv_rotated=True, **self.tuning)
         self.pool.write_exact(layer, b["bf16_loc"][:n], sk, sv, rotated=True)
         return out
 

@@ -114,6 +114,31 @@ def test_prefill_then_decode_matches_design_p(case, write):
     assert dec.index.max_splits == SPLITS["max_splits"] and len(set(dec.index.num_splits.tolist())) > 1
 
 
+def test_decode_grid_bound_follows_the_batch_size():
+    """Default policy: the grid bound is that of a uniform batch of the planned size at max_seq_len, so one long
+    sequence gets more splits than a full batch; the flat workspace holds the largest batch's partials; the bs1
+    step with its larger bound is still Design P, and so is the full batch after it on the same buffers."""
+    from oscar_kernels.decode_int2 import split_policy
+    eng = Engine(QuantScheme(group=0, sink=2, recent=4), 2, 2, 128, reqs=3, max_ctx=200, seed=17)
+    knobs = dict(split_tokens=64, min_split_tokens=16, min_programs=16)
+    dec = DecodePlan(eng.pool, 3, 200, q_heads=eng.hq, **knobs)
+    want = [split_policy(b, 2, 200 - 6, dec.row_kernel, **knobs).max_splits for b in (1, 2, 3)]
+    assert [dec.grid_bound(b) for b in (1, 2, 3)] == want and want[0] > want[2]
+    assert dec.max_splits == want[0]
+    parts = max(b * (w + 1) for b, w in zip((1, 2, 3), want, strict=True))
+    assert dec.workspace_bytes() >= parts * eng.hq * (128 + 1) * 4
+    lens = [180, 60, 150]
+    ext = ExtendPlan(eng.pool, 3, sum(lens), 200, **EXTEND_BLOCKS)
+    eng.extend(ext, [0, 1, 2], [0, 0, 0], lens, [0, 0, 0])  # checked by the tests above; here it fills the pool
+    _close(*eng.decode(dec, [0], [181], [0]))
+    assert dec.index.max_splits == want[0] and dec._workspace[0].shape == (1, eng.hq, want[0] + 1, 128)
+    assert int(dec.index.num_splits[0]) > want[2]  # more splits than the full batch's bound allows
+    _close(*eng.decode(dec, [0, 1, 2], [182, 61, 151], [0, 0, 0]))
+    assert dec.index.max_splits == want[2]
+    with pytest.raises(ValueError, match="outside"):
+        dec.grid_bound(4)
+
+
 def test_plan_lists_follow_design_p():
     """The device-filled lists against the spec's ranges, written out in Python."""
     sink, recent = 3, 5
