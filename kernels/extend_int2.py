@@ -398,8 +398,10 @@ DEQUANT_SCRATCH_BYTES = 128 << 20
 """Default bound of the dequantised scratch an :class:`~oscar_kernels.plan.ExtendPlan` allocates: as many KV heads
 per pass as fit (2 at Qwen3-8B shapes with a 131k context: fp16 K + bf16 V, 4 bytes per element)."""
 DEQ_BLOCK_M = 128
-"""Rows (tokens x padded GQA group) per program of the dequantised-prefix kernel (32 tokens x 4 heads at GQA 4)."""
-DEQ_BLOCK_N = 64
+"""Rows (tokens x padded GQA group) per program of the dequantised-prefix kernel (32 tokens x 4 heads at GQA 4).
+The four ``DEQ_*`` launch defaults are the best of ``bench_extend.py --sweep`` on an H200 (Qwen3-8B shapes, an 8k
+chunk after a 90k prefix: 27.2 ms; block_n 64: 30.2; the fused kernel: 113.1; RESULTS.md, commit f7fc522)."""
+DEQ_BLOCK_N = 128
 """Keys per tile of the dequantised-prefix kernel."""
 DEQ_WARPS = 8
 DEQ_STAGES = 3
