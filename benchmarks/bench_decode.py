@@ -1,6 +1,6 @@
 """Decode on Qwen3-8B shapes: INT2 (``DecodePlan``) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
 
-Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep] [--results benchmarks/RESULTS.md]
+Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge] [--results benchmarks/RESULTS.md]
 Prints a table (median µs, GB/s on the bytes the attention reads, ratio to the best BF16 backend measured in the same
 run, fraction of the copy bandwidth measured in the same run) and appends it to RESULTS.md with the date, device,
 commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is planned by ``DecodePlan`` over an
@@ -159,6 +159,35 @@ def sweep(gen, shapes):
 
 
 
+MERGE_SHAPES = [(1, 8192), (1, 32768), (1, 100000), (1, 131072), (8, 32768), (16, 131072), (32, 32768)]
+MERGE_VARIANTS = [("per KV head, chunk 8", dict(merge_per_head=False, merge_chunk=8)),
+                  ("per query head, chunk 8", dict(merge_per_head=True, merge_chunk=8)),
+                  ("per query head, chunk 16", dict(merge_per_head=True, merge_chunk=16)),
+                  ("per query head, chunk 32", dict(merge_per_head=True, merge_chunk=32))]
+
+
+def merge_table(gen, results: str, commit: str) -> None:
+    """The attention (``decode_int2`` over the planned lists) under each merge variant, at the default split count
+    and at twice it; one table, appended to RESULTS.md."""
+    head = ["bs", "context", "splits", *[f"{name} µs" for name, _ in MERGE_VARIANTS]]
+    rows = []
+    for bs, ctx in MERGE_SHAPES:
+        case = Int2Case(bs, ctx, gen)
+        base = case.plan.index.max_splits
+        for ns in (None, 2 * base):
+            rows.append([bs, f"{ctx // 1000}k" if ctx % 1024 else f"{ctx // 1024}k", ns or f"{base} (default)",
+                         *[f"{graph_us(case.fn(num_splits=ns, **kw)):.1f}" for _, kw in MERGE_VARIANTS]])
+            print(" | ".join(map(str, rows[-1])), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    table = markdown_table(head, rows)
+    print(table)
+    append_section(results, "Decode merge: per KV head vs per query head", torch.cuda.get_device_name(), commit,
+                   "`python benchmarks/bench_decode.py --merge`: the attention alone (`decode_int2` over a `DecodePlan`'s "
+                   "lists: query rotation, split kernel, merge), Qwen3-8B shapes, INT2 g = d = 128, CUDA-graph replay "
+                   "median; `splits`: the plan's default count, and twice it (grid and workspace sized for it).", table)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--commit", default=None, help="commit recorded in RESULTS.md (default: git rev-parse HEAD)")
@@ -166,6 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sweep", action="store_true", help="sweep tile/warps/splits on a few shapes first")
     ap.add_argument("--sweep-only", action="store_true", help="sweep, then stop (no table, nothing appended)")
     ap.add_argument("--layouts", action="store_true", help="compare slot-major and head-major pools, then stop")
+    ap.add_argument("--merge", action="store_true", help="time the merge variants, append their table, then stop")
     ap.add_argument("--label", default="DecodePlan defaults")
     return ap.parse_args(argv)
 
@@ -186,6 +216,9 @@ def main() -> None:
                 del case
                 torch.cuda.empty_cache()
             print(f"bs{bs} ctx{ctx}: slot-major {ts[0]:.1f}, head-major {ts[1]:.1f}", flush=True)
+        return
+    if args.merge:
+        merge_table(gen, args.results, commit)
         return
     if args.sweep or args.sweep_only:
         sweep(gen, [(1, 8192), (1, 131072), (8, 32768), (16, 131072)])

@@ -120,6 +120,19 @@ MERGE_SPLIT_CHUNK = 8
 22.0 µs vs 25.2 with 1, bs1/128k 82.5 vs 96.1, bs8/32k 96.4 vs 100.2, bs16/128k 577.3 vs 601.0), and it is what
 makes more splits pay at bs1 (``ROWS_MIN_PROGRAMS``): one partial per step, 128 splits at bs1/128k took 96.3 µs."""
 
+MERGE_PER_HEAD = True
+"""Merge with one program per (sequence, query head) (``_decode_int2_merge_head_kernel``: ``Hq`` programs per sequence
+read their partials in chunks of ``MERGE_HEAD_CHUNK`` and rotate with fp32 FMAs) instead of one per (sequence, KV
+head) over the padded GQA group; ``decode_int2(merge_per_head=False)`` keeps the latter. In SGLang at bs1/100k the
+per-KV-head merge took 0.41 of a 7.02 ms step (11 µs per layer: 8 programs, 16 dependent steps each; RESULTS.md,
+commit a8d04ea)."""
+MERGE_HEAD_CHUNK = 32
+"""Per-head merge: INT2 partials read per loop step (``[32, d]`` fp32, 16 KB at d = 128)."""
+MERGE_HEAD_WARPS = 4
+"""Per-head merge: warps per program."""
+MERGE_ROT_ROWS = 64
+"""Per-head merge: output columns per piece of the ``R_V^T`` product (bounds the registers of the loaded rows)."""
+
 F16_MAGIC = tl.constexpr(1024.0)
 """fp16 1024: OR-ing a code ``c < 1024`` into its mantissa gives exactly ``1024 + c`` (the PTX unpacks)."""
 BF16_MAGIC = tl.constexpr(128.0)
@@ -682,6 +695,49 @@ def _decode_int2_merge_kernel(
              o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
 
 
+@triton.jit
+def _decode_int2_merge_head_kernel(
+    PART_O, PART_LSE, NUM_SPLITS, ROT_V, OUT,
+    max_splits,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    stride_rh, stride_rr, stride_rc,
+    stride_ob, stride_oh, stride_od,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, ROT_ROWS: tl.constexpr,
+):
+    """The merge of one (sequence, query head): partial weights from every LSE at once, the weighted sum of the
+    partials ``SPLIT_CHUNK`` at a time (independent loads), then ``o = o' @ R_V^T`` as fp32 multiply-sums."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GQA
+    num_splits = _active_splits(NUM_SPLITS, b, max_splits)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_p = tl.arange(0, BLOCK_P)
+    lse_row = PART_LSE + b * stride_plb + h * stride_plh
+    valid = (offs_p < num_splits) | (offs_p == max_splits)
+    lse = tl.load(lse_row + offs_p, mask=valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.sum(tl.exp2(lse - m), 0)
+    o_row = PART_O + b * stride_pob + h * stride_poh
+    o = tl.exp2(tl.load(lse_row + max_splits) - m) * tl.load(o_row + max_splits * stride_pos + offs_d)
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    for c0 in range(0, num_splits, SPLIT_CHUNK):
+        idx = c0 + offs_c
+        ok = idx < num_splits
+        w_c = tl.exp2(tl.load(lse_row + idx, mask=ok, other=float("-inf")) - m)
+        tile = tl.load(o_row + idx[:, None] * stride_pos + offs_d[None, :], mask=ok[:, None], other=0.0)
+        o += tl.sum(w_c[:, None] * tile, 0)
+    o = o * tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)
+    r_base = ROT_V + (kvh * stride_rh if ROT_PER_HEAD else 0)
+    offs_r = tl.arange(0, ROT_ROWS)
+    for c in tl.static_range(0, HEAD_DIM, ROT_ROWS):  # out[c] = sum_k o'[k] R_V[c, k]
+        r = tl.load(r_base + (c + offs_r)[:, None] * stride_rr + offs_d[None, :] * stride_rc)
+        out = tl.sum(r * o[None, :], 1)
+        tl.store(OUT + b * stride_ob + h * stride_oh + (c + offs_r) * stride_od, out.to(OUT.dtype.element_ty))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # split policy
 
@@ -826,7 +882,8 @@ def decode_int2(
     ptx_unpack: bool | None = None,
     row_kernel: bool | None = None,
     max_registers: int | None = None,
-    merge_chunk: int = MERGE_SPLIT_CHUNK,
+    merge_chunk: int | None = None,
+    merge_per_head: bool = MERGE_PER_HEAD,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -845,7 +902,9 @@ def decode_int2(
         row_kernel: use the row-scale fast path (default: :func:`row_path`); ``False`` forces the general path.
         max_registers: register cap per thread of the row-scale split kernel (Triton's ``maxnreg``; default
             ``ROWS_MAX_REGISTERS`` from ``ROWS_CAPPED_PROGRAMS`` launched split programs on, else none; 0 for none).
-        merge_chunk: INT2 partials the merge reads per step, a power of two (``MERGE_SPLIT_CHUNK``).
+        merge_chunk: INT2 partials the merge reads per step, a power of two (default ``MERGE_HEAD_CHUNK`` per
+            query head, ``MERGE_SPLIT_CHUNK`` per KV head).
+        merge_per_head: one merge program per (sequence, query head) (``MERGE_PER_HEAD``) or per KV head.
 
     Returns:
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
@@ -855,6 +914,8 @@ def decode_int2(
         raise ValueError(f"decode_int2: {why}")
     hkv = cache.kv_heads
     index.check(bsz)
+    if merge_chunk is None:
+        merge_chunk = MERGE_HEAD_CHUNK if merge_per_head else MERGE_SPLIT_CHUNK
     if merge_chunk < 1 or merge_chunk & (merge_chunk - 1):
         raise ValueError(f"merge_chunk must be a power of two >= 1, got {merge_chunk}")
     gqa = hq // hkv
@@ -932,6 +993,18 @@ def decode_int2(
             PTX_UNPACK=bool(ptx_unpack),
             num_warps=num_warps, num_stages=num_stages or GENERAL_STAGES,
         )
+    if merge_per_head:
+        _decode_int2_merge_head_kernel[(bsz, hq)](
+            part_o, part_lse, index.num_splits, cache.rot_v, out,
+            max_splits,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            *cache.rot_v.stride(),
+            *out.stride(),
+            GQA=gqa, HEAD_DIM=d, BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1,
+            SPLIT_CHUNK=merge_chunk, ROT_ROWS=min(d, MERGE_ROT_ROWS), num_warps=MERGE_HEAD_WARPS,
+        )
+        return out
     _decode_int2_merge_kernel[(bsz, hkv)](
         part_o, part_lse, index.num_splits, cache.rot_v, out,
         max_splits,
