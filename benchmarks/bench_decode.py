@@ -183,8 +183,8 @@ def merge_table(gen, results: str, commit: str) -> None:
     table = markdown_table(head, rows)
     print(table)
     append_section(results, "Decode merge: per KV head vs per query head", torch.cuda.get_device_name(), commit,
-                   "`python benchmarks/bench_decode.py --merge`: the attention alone (`decode_int2` over a `DecodePlan`'s "
-                   "lists: query rotation, split kernel, merge), Qwen3-8B shapes, INT2 g = d = 128, CUDA-graph replay "
+                   "The attention alone (`decode_int2` over a `DecodePlan`'s lists: query rotation, split kernel, "
+                   "merge), Qwen3-8B shapes, INT2 g = d = 128, CUDA-graph replay "
                    "median; `splits`: the plan's default count, and twice it (grid and workspace sized for it).", table)
 
 

@@ -123,9 +123,10 @@ makes more splits pay at bs1 (``ROWS_MIN_PROGRAMS``): one partial per step, 128 
 MERGE_PER_HEAD = True
 """Merge with one program per (sequence, query head) (``_decode_int2_merge_head_kernel``: ``Hq`` programs per sequence
 read their partials in chunks of ``MERGE_HEAD_CHUNK`` and rotate with fp32 FMAs) instead of one per (sequence, KV
-head) over the padded GQA group; ``decode_int2(merge_per_head=False)`` keeps the latter. In SGLang at bs1/100k the
-per-KV-head merge took 0.41 of a 7.02 ms step (11 µs per layer: 8 programs, 16 dependent steps each; RESULTS.md,
-commit a8d04ea)."""
+head) over the padded GQA group; ``decode_int2(merge_per_head=False)`` keeps the latter. Speed is a wash on an H200
+(``bench_decode.py --merge``, RESULTS.md, commit e6f07dc: the attention within 2% either way, bs1/100k 55.3 vs 55.8
+µs, bs32/32k 306.2 vs 301.2; SGLang bs1/100k ITL 7.11 vs 7.16 ms); the default is per query head for its exact fp32
+``R_V^T`` product (the per-KV-head merge's is a tf32 tensor-core dot)."""
 MERGE_HEAD_CHUNK = 32
 """Per-head merge: INT2 partials read per loop step (``[32, d]`` fp32, 16 KB at d = 128)."""
 MERGE_HEAD_WARPS = 4
