@@ -1,6 +1,6 @@
 """quantize_pack for a 32k-token prefill (Qwen3-8B: 8 KV heads, d 128): fused rotation vs separate matmul.
 
-Usage: python benchmarks/bench_quantize_pack.py [--decode] [--commit SHA] [--results benchmarks/RESULTS.md]
+Usage: python benchmarks/bench_quantize_pack.py [--decode [--one-launch]] [--commit SHA] [--results benchmarks/RESULTS.md]
 ``--decode``: instead, the write of one decode step (``N`` = batch = 1, 8, 32, 64 new tokens): K and V as two
 ``quantize_pack`` launches against one ``quantize_pack_kv`` launch, over tokens per program, warps and rotation
 precision, CUDA-graph replay median (a decode step's writes are latency-bound: one program per KV head at bs1).
@@ -33,12 +33,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--commit", default=None, help="commit recorded in RESULTS.md (default: git rev-parse HEAD)")
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
     ap.add_argument("--decode", action="store_true", help="decode-step writes (K and V of N = batch tokens)")
+    ap.add_argument("--one-launch", action="store_true",
+                    help="with --decode: only the one-launch quantize_pack_kv rows (not the two-launch ones)")
     return ap.parse_args(argv)
 
 
 DECODE_BATCHES = (1, 8, 32, 64)
 DECODE_VARIANTS = [(16, "tf32x3", 4), (16, "tf32x3", 2), (16, "tf32", 4), (32, "tf32x3", 4), (64, "tf32x3", 4),
-                   (1, "fma", 1), (1, "fma", 4), (4, "fma", 4), (16, "fma", 4)]
+                   (1, "fma", 1), (1, "fma", 2), (1, "fma", 4), (1, "fma", 8), (4, "fma", 4), (16, "fma", 4)]
 """(block_n, rot_precision, num_warps) of the decode-step sweep; ``fma``: CUDA-core multiply-adds, few rows."""
 
 
@@ -52,7 +54,7 @@ def decode_main(args, commit: str) -> None:
     pools = [Int2Pool.empty(slots, HKV, D, device=DEV) for _ in range(2)]
     exact = [torch.empty(slots, HKV, D, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
     rows = []
-    for pair in (False, True):
+    for pair in (True,) if args.one_launch else (False, True):
         for bn, prec, nw in DECODE_VARIANTS:
             cells = []
             for b in DECODE_BATCHES:
