@@ -129,7 +129,11 @@ def test_decode_grid_bound_follows_the_batch_size():
     assert dec.workspace_bytes() >= parts * eng.hq * (128 + 1) * 4
     lens = [180, 60, 150]
     ext = ExtendPlan(eng.pool, 3, sum(lens), 200, **EXTEND_BLOCKS)
-    eng.extend(ext, [0, 1, 2], [0, 0, 0], lens, [0, 0, 0])  # checked by the tests above; here it fills the pool
+    out, ref = eng.extend(ext, [0, 1, 2], [0, 0, 0], lens, [0, 0, 0])
+    # 390 rows: a few rotated exact rows round to the other bf16 neighbour than the reference's rotation does (one
+    # ulp, fp32 summation order), which moves single outputs by ~4e-4; the relative error stays that of the others
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= MAX_REL
+    torch.testing.assert_close(out, ref, **(TOL if ON_GPU else dict(atol=2e-3, rtol=2e-3)))
     _close(*eng.decode(dec, [0], [181], [0]))
     assert dec.index.max_splits == want[0] and dec._workspace[0].shape == (1, eng.hq, want[0] + 1, 128)
     assert int(dec.index.num_splits[0]) > want[2]  # more splits than the full batch's bound allows
