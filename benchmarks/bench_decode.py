@@ -133,7 +133,7 @@ SWEEP = [  # (block_n, warps, stages, register cap; 0: none) of the row-scale ke
 ]
 
 
-MERGE_CHUNKS = (1, 4, 8)
+MERGE_CHUNKS = (1, 8, 32)
 """``decode_int2(merge_chunk=...)`` values of the sweep, each at the default split count and at 2x and 4x it."""
 
 
@@ -160,10 +160,8 @@ def sweep(gen, shapes):
 
 
 MERGE_SHAPES = [(1, 8192), (1, 32768), (1, 100000), (1, 131072), (8, 32768), (16, 131072), (32, 32768)]
-MERGE_VARIANTS = [("per KV head, chunk 8", dict(merge_per_head=False, merge_chunk=8)),
-                  ("per query head, chunk 8", dict(merge_per_head=True, merge_chunk=8)),
-                  ("per query head, chunk 16", dict(merge_per_head=True, merge_chunk=16)),
-                  ("per query head, chunk 32", dict(merge_per_head=True, merge_chunk=32))]
+MERGE_VARIANTS = [(f"merge chunk {c}", dict(merge_chunk=c)) for c in (8, 16, 32)]
+"""Partials per merge step (until commit e6f07dc the table also held the per-KV-head merge this one replaced)."""
 
 
 def merge_table(gen, results: str, commit: str) -> None:
@@ -182,7 +180,7 @@ def merge_table(gen, results: str, commit: str) -> None:
         torch.cuda.empty_cache()
     table = markdown_table(head, rows)
     print(table)
-    append_section(results, "Decode merge: per KV head vs per query head", torch.cuda.get_device_name(), commit,
+    append_section(results, "Decode merge: partials per step", torch.cuda.get_device_name(), commit,
                    "The attention alone (`decode_int2` over a `DecodePlan`'s lists: query rotation, split kernel, "
                    "merge), Qwen3-8B shapes, INT2 g = d = 128, CUDA-graph replay "
                    "median; `splits`: the plan's default count, and twice it (grid and workspace sized for it).", table)

@@ -156,8 +156,7 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
             dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
             dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
         dec.write_tuning = {}  # the write with quantize_pack_kv's own (prefill) parameters
-        # the per-KV-head merge, in its one-partial-per-step branch (the default merge is per query head)
-        dec.tuning = dict(merge_chunk=1, merge_per_head=False)
+        dec.tuning = dict(merge_chunk=1)  # the merge's one-partial-per-step loop (the default reads 32)
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
 
 

@@ -27,8 +27,9 @@ Kernels, all launched without host synchronisation, so one call can be captured 
   share of the dot.
 * ``_decode_int2_kernel``, same grid and split rule, the general path (``g < d`` or ``d = 64``): quarter planes of
   bytes, codes dequantised per element when ``g < d``.
-* ``_decode_int2_merge_kernel``, grid ``(B, Hkv)``: merges sequence ``b``'s ``n_b`` INT2 partials and the exact one
-  by log-sum-exp (the partials of exited programs are never read) and rotates back by ``R_V^T`` in the same program.
+* ``_decode_int2_merge_kernel``, grid ``(B, Hq)``: merges sequence ``b``'s ``n_b`` INT2 partials and the exact one
+  of one query head by log-sum-exp (the partials of exited programs are never read) and rotates back by ``R_V^T`` in
+  the same program.
 
 Each active split writes its normalised partial output and base-2 log-sum-exp (an empty split: ``lse = -inf``).
 
@@ -89,7 +90,7 @@ ROWS_MIN_BLOCK_H = 2
 """Row-scale path: smallest head-tile width (the tensor-core dot pads to 8 inside the instruction anyway)."""
 ROWS_MIN_PROGRAMS = 1024
 """Row-scale path: split programs aimed for at least, through the split policy's ``min_splits`` (and no split under
-``MIN_SPLIT_TOKENS``). Raised from 128 with the 8-partial merge (``MERGE_SPLIT_CHUNK``), from a sweep on an H200
+``MIN_SPLIT_TOKENS``). Raised from 128 with a merge reading 8 partials per step, from a sweep on an H200
 (RESULTS.md, commit b7f000b, CUDA-graph replay, µs): bs1/8k 18.3 at 32 splits vs 22.0 at 16; bs1/128k 61.5 at 128
 vs 82.5 at 64; bs8/32k 96.4 at 16 (1024 programs) vs 108.4 at 32; bs16/128k 577.3 at 64 (unchanged)."""
 ROWS_SPLIT_TOKENS = 2048
@@ -110,29 +111,18 @@ Q_ROT_BLOCK_C = 64
 bound registers). Not swept: one small program per (sequence, KV head)."""
 Q_ROT_WARPS = 4
 """Query rotation: warps per program (not swept, see ``Q_ROT_BLOCK_C``)."""
-MERGE_MIN_BLOCK_H = 16
-"""Merge: the GQA group is padded to 16 rows, the M minimum of the ``R_V^T`` tensor-core dot."""
+MERGE_SPLIT_CHUNK = 32
+"""Merge: INT2 partials read per loop step (``decode_int2(merge_chunk=...)``; ``[32, d]`` fp32, 16 KB at d = 128).
+History: reading 8 per step instead of 1 is what made more splits pay at bs1 (``ROWS_MIN_PROGRAMS``; sweep on an
+H200, RESULTS.md, commit b7f000b: bs1/128k 96.1 -> 82.5 µs at 64 splits, 61.5 at 128). That merge ran one program
+per (sequence, KV head) over the GQA group padded to 16 rows with a tf32 ``R_V^T`` dot; the one program per
+(sequence, query head) here, 32 partials per step and an fp32 multiply-sum product, measured within 2% of it at every
+shape (``bench_decode.py --merge``, commit e6f07dc: bs1/100k 55.3 vs 55.8 µs, bs32/32k 306.2 vs 301.2; 8 or 16
+partials per step slower) and replaced it for its exact product."""
 MERGE_WARPS = 4
-"""Merge: warps per program (not swept: one program per (sequence, KV head) reading ``max_splits + 1`` partials)."""
-MERGE_SPLIT_CHUNK = 8
-"""Merge: INT2 partials read per loop step (``decode_int2(merge_chunk=...)``). Swept on an H200 (``bench_decode.py
---sweep``, RESULTS.md, commit b7f000b): 8 beat 4 and 1 at every swept shape and split count (default splits: bs1/8k
-22.0 µs vs 25.2 with 1, bs1/128k 82.5 vs 96.1, bs8/32k 96.4 vs 100.2, bs16/128k 577.3 vs 601.0), and it is what
-makes more splits pay at bs1 (``ROWS_MIN_PROGRAMS``): one partial per step, 128 splits at bs1/128k took 96.3 µs."""
-
-MERGE_PER_HEAD = True
-"""Merge with one program per (sequence, query head) (``_decode_int2_merge_head_kernel``: ``Hq`` programs per sequence
-read their partials in chunks of ``MERGE_HEAD_CHUNK`` and rotate with fp32 FMAs) instead of one per (sequence, KV
-head) over the padded GQA group; ``decode_int2(merge_per_head=False)`` keeps the latter. Speed is a wash on an H200
-(``bench_decode.py --merge``, RESULTS.md, commit e6f07dc: the attention within 2% either way, bs1/100k 55.3 vs 55.8
-µs, bs32/32k 306.2 vs 301.2; SGLang bs1/100k ITL 7.11 vs 7.16 ms); the default is per query head for its exact fp32
-``R_V^T`` product (the per-KV-head merge's is a tf32 tensor-core dot)."""
-MERGE_HEAD_CHUNK = 32
-"""Per-head merge: INT2 partials read per loop step (``[32, d]`` fp32, 16 KB at d = 128)."""
-MERGE_HEAD_WARPS = 4
-"""Per-head merge: warps per program."""
+"""Merge: warps per program (not swept)."""
 MERGE_ROT_ROWS = 64
-"""Per-head merge: output columns per piece of the ``R_V^T`` product (bounds the registers of the loaded rows)."""
+"""Merge: output columns per piece of the ``R_V^T`` product (bounds the registers of the loaded rows)."""
 
 F16_MAGIC = tl.constexpr(1024.0)
 """fp16 1024: OR-ing a code ``c < 1024`` into its mantissa gives exactly ``1024 + c`` (the PTX unpacks)."""
@@ -652,58 +642,6 @@ def _decode_int2_merge_kernel(
     stride_plb, stride_plh,
     stride_rh, stride_rr, stride_rc,
     stride_ob, stride_oh, stride_od,
-    GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    num_splits = _active_splits(NUM_SPLITS, b, max_splits)
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < GQA
-    heads = kvh * GQA + offs_h
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_p = tl.arange(0, BLOCK_P)
-    # only the partials the active programs wrote: INT2 splits [0, num_splits) and the exact one at max_splits
-    valid = (offs_p < num_splits) | (offs_p == max_splits)
-    lse = tl.load(PART_LSE + b * stride_plb + heads[:, None] * stride_plh + offs_p[None, :],
-                  mask=mask_h[:, None] & valid[None, :], other=float("-inf"))
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m[:, None])  # [BLOCK_H, BLOCK_P]
-    w_sum = tl.sum(w, 1)
-    o_rows = PART_O + b * stride_pob + heads[:, None] * stride_poh + offs_d[None, :]
-    w_x = tl.sum(tl.where(offs_p[None, :] == max_splits, w, 0.0), 1)
-    o = w_x[:, None] * tl.load(o_rows + max_splits * stride_pos, mask=mask_h[:, None], other=0.0)
-    # the INT2 partials, SPLIT_CHUNK at a time (one load of [BLOCK_H, SPLIT_CHUNK, d] per step: fewer dependent steps
-    # for a sequence of many splits); their weights again from the LSEs (a masked split weighs exp2(-inf) = 0)
-    lse_rows = PART_LSE + b * stride_plb + heads * stride_plh
-    offs_c = tl.arange(0, SPLIT_CHUNK)
-    for c0 in range(0, num_splits, SPLIT_CHUNK):
-        idx = c0 + offs_c
-        ok = mask_h[:, None] & (idx < num_splits)[None, :]
-        w_c = tl.exp2(tl.load(lse_rows[:, None] + idx[None, :], mask=ok, other=float("-inf")) - m[:, None])
-        if SPLIT_CHUNK == 1:
-            o += w_c * tl.load(o_rows + c0 * stride_pos, mask=mask_h[:, None], other=0.0)
-        else:
-            tile = tl.load(o_rows[:, None, :] + idx[None, :, None] * stride_pos, mask=ok[:, :, None], other=0.0)
-            o += tl.sum(w_c[:, :, None] * tile, axis=1)
-    o = o * tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)[:, None]
-    # o = o' @ R_V^T: load R_V transposed
-    rt = tl.load(ROT_V + (kvh * stride_rh if ROT_PER_HEAD else 0)
-                 + offs_d[:, None] * stride_rc + offs_d[None, :] * stride_rr)
-    o = tl.dot(o, rt)
-    tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
-
-
-@triton.jit
-def _decode_int2_merge_head_kernel(
-    PART_O, PART_LSE, NUM_SPLITS, ROT_V, OUT,
-    max_splits,
-    stride_pob, stride_poh, stride_pos,
-    stride_plb, stride_plh,
-    stride_rh, stride_rr, stride_rc,
-    stride_ob, stride_oh, stride_od,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, ROT_ROWS: tl.constexpr,
 ):
@@ -883,8 +821,7 @@ def decode_int2(
     ptx_unpack: bool | None = None,
     row_kernel: bool | None = None,
     max_registers: int | None = None,
-    merge_chunk: int | None = None,
-    merge_per_head: bool = MERGE_PER_HEAD,
+    merge_chunk: int = MERGE_SPLIT_CHUNK,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -903,9 +840,7 @@ def decode_int2(
         row_kernel: use the row-scale fast path (default: :func:`row_path`); ``False`` forces the general path.
         max_registers: register cap per thread of the row-scale split kernel (Triton's ``maxnreg``; default
             ``ROWS_MAX_REGISTERS`` from ``ROWS_CAPPED_PROGRAMS`` launched split programs on, else none; 0 for none).
-        merge_chunk: INT2 partials the merge reads per step, a power of two (default ``MERGE_HEAD_CHUNK`` per
-            query head, ``MERGE_SPLIT_CHUNK`` per KV head).
-        merge_per_head: one merge program per (sequence, query head) (``MERGE_PER_HEAD``) or per KV head.
+        merge_chunk: INT2 partials the merge reads per step, a power of two (``MERGE_SPLIT_CHUNK``).
 
     Returns:
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
@@ -915,8 +850,6 @@ def decode_int2(
         raise ValueError(f"decode_int2: {why}")
     hkv = cache.kv_heads
     index.check(bsz)
-    if merge_chunk is None:
-        merge_chunk = MERGE_HEAD_CHUNK if merge_per_head else MERGE_SPLIT_CHUNK
     if merge_chunk < 1 or merge_chunk & (merge_chunk - 1):
         raise ValueError(f"merge_chunk must be a power of two >= 1, got {merge_chunk}")
     gqa = hq // hkv
@@ -994,28 +927,15 @@ def decode_int2(
             PTX_UNPACK=bool(ptx_unpack),
             num_warps=num_warps, num_stages=num_stages or GENERAL_STAGES,
         )
-    if merge_per_head:
-        _decode_int2_merge_head_kernel[(bsz, hq)](
-            part_o, part_lse, index.num_splits, cache.rot_v, out,
-            max_splits,
-            part_o.stride(0), part_o.stride(1), part_o.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            *cache.rot_v.stride(),
-            *out.stride(),
-            GQA=gqa, HEAD_DIM=d, BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1,
-            SPLIT_CHUNK=merge_chunk, ROT_ROWS=min(d, MERGE_ROT_ROWS), num_warps=MERGE_HEAD_WARPS,
-        )
-        return out
-    _decode_int2_merge_kernel[(bsz, hkv)](
+    _decode_int2_merge_kernel[(bsz, hq)](
         part_o, part_lse, index.num_splits, cache.rot_v, out,
         max_splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         *cache.rot_v.stride(),
         *out.stride(),
-        GQA=gqa, BLOCK_H=max(MERGE_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d,
-        BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1, SPLIT_CHUNK=merge_chunk,
-        num_warps=MERGE_WARPS,
+        GQA=gqa, HEAD_DIM=d, BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1,
+        SPLIT_CHUNK=merge_chunk, ROT_ROWS=min(d, MERGE_ROT_ROWS), num_warps=MERGE_WARPS,
     )
     return out
 

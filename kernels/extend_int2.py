@@ -112,6 +112,55 @@ class ExtendIndex:
 
 
 @triton.jit
+def _block_rows(QO_INDPTR, Q_POS0, START, b, i0, sink, recent,
+                GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The M rows of the program whose block starts at chunk token ``i0`` of sequence ``b``: row ``r`` is token
+    ``i0 + r // BLOCK_H`` under query head ``kvh * GQA + r % BLOCK_H``. Returns ``q_start, q_len, i1, pos0, first,
+    sink_end, tok, hh, mask_r, t, t_win`` (``t``: absolute query positions; keys ``j > t_win`` are in the row's
+    window)."""
+    q_start = tl.load(QO_INDPTR + b)
+    q_len = tl.load(QO_INDPTR + b + 1) - q_start
+    i1 = tl.minimum(i0 + BLOCK_T, q_len)
+    pos0 = tl.load(Q_POS0 + b)
+    first = tl.load(START + b)
+    offs_r = tl.arange(0, BLOCK_T * BLOCK_H)
+    tok = i0 + offs_r // BLOCK_H
+    hh = offs_r % BLOCK_H
+    mask_r = (tok < q_len) & (hh < GQA)
+    t = pos0 + tok
+    return q_start, q_len, i1, pos0, first, first + sink, tok, hh, mask_r, t, t - recent
+
+
+@triton.jit
+def _chunk_tiles(pos0, sink_end, i0, i1, recent, BLOCK_N: tl.constexpr):
+    """The chunk's own key tiles a block reads: tiles over ``[0, sink_hi)`` (the chunk's sinks), then over
+    ``[w0, i1)`` (the block's windows), nothing between. Returns ``(n_sink_tiles, w0, n_tiles)``; tile ``it`` starts at
+    :func:`_chunk_tile_start`."""
+    sink_hi = tl.minimum(tl.maximum(sink_end - pos0, 0), i1)
+    n_sink_tiles = tl.cdiv(sink_hi, BLOCK_N)
+    w0 = tl.maximum(tl.maximum(i0 + 1 - recent, 0), n_sink_tiles * BLOCK_N)
+    return n_sink_tiles, w0, n_sink_tiles + tl.cdiv(tl.maximum(i1 - w0, 0), BLOCK_N)
+
+
+@triton.jit
+def _chunk_tile_start(it, n_sink_tiles, w0, BLOCK_N: tl.constexpr):
+    return tl.where(it < n_sink_tiles, it * BLOCK_N, w0 + (it - n_sink_tiles) * BLOCK_N)
+
+
+@triton.jit
+def _chunk_use(offs_n, mask_n, pos0, first, sink_end, t, t_win):
+    """Which rows use chunk key ``offs_n`` (position ``pos0 + offs_n``): causal, from ``first`` on, sink or window."""
+    j = (pos0 + offs_n)[None, :]
+    return mask_n[None, :] & (j >= first) & (j <= t[:, None]) & ((j < sink_end) | (j > t_win[:, None]))
+
+
+@triton.jit
+def _exact_use(pos, mask_n, sink_end, t_win):
+    """Which rows use cached exact rows at positions ``pos``: sinks, or inside the row's window."""
+    return mask_n[None, :] & ((pos[None, :] < sink_end) | (pos[None, :] > t_win[:, None]))
+
+
+@triton.jit
 def _extend_int2_kernel(
     Q, K_NEW, V_NEW, QO_INDPTR, Q_POS0, START,
     K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
@@ -137,21 +186,10 @@ def _extend_int2_kernel(
     col0 = (offs_m // BQ) * GROUP_SIZE + offs_m % BQ  # element of bit plane 0 held by byte m
     gidx = offs_m // BQ
 
-    q_start = tl.load(QO_INDPTR + b)
-    q_len = tl.load(QO_INDPTR + b + 1) - q_start
     i0 = mb * BLOCK_T
+    q_start, q_len, i1, pos0, first, sink_end, tok, hh, mask_r, t, t_win = _block_rows(
+        QO_INDPTR, Q_POS0, START, b, i0, sink, recent, GQA, BLOCK_H, BLOCK_T)
     if i0 < q_len:
-        i1 = tl.minimum(i0 + BLOCK_T, q_len)
-        pos0 = tl.load(Q_POS0 + b)
-        first = tl.load(START + b)
-        sink_end = first + sink
-        # M rows: token (i0 + r // BLOCK_H) of the chunk, query head kvh * GQA + r % BLOCK_H
-        offs_r = tl.arange(0, M)
-        tok = i0 + offs_r // BLOCK_H
-        hh = offs_r % BLOCK_H
-        mask_r = (tok < q_len) & (hh < GQA)
-        t = pos0 + tok  # absolute query positions [M]
-        t_win = t - recent  # keys j > t_win are in the row's recent window
         q_rows = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qn + (kvh * GQA + hh)[:, None] * stride_qh
         mq = mask_r[:, None]
         q0 = tl.load(q_rows + (col0 + 0 * BQ)[None, :], mask=mq, other=0.0).to(QK_T)
@@ -209,27 +247,19 @@ def _extend_int2_kernel(
                 rows = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
                 s, v0, v1, v2, v3 = exact_tile(q0, q1, q2, q3, K_BF16, V_BF16, rows, mask_n, stride_kbs, stride_kbh,
                                                 stride_vbs, stride_vbh, kvh, col0, BQ, QK_T, False)
-                use = mask_n[None, :] & ((pos[None, :] < sink_end) | (pos[None, :] > t_win[:, None]))
-                s = tl.where(use, s, float("-inf"))
+                s = tl.where(_exact_use(pos, mask_n, sink_end, t_win), s, float("-inf"))
                 m_i, l_i, acc0, acc1, acc2, acc3 = softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3,
                                                                  v0, v1, v2, v3, PV_T)
 
         # ---- the chunk itself (exact): element e at position pos0 + e ----
-        # tiles over [0, sink_hi) (the chunk's sinks) then over [w0, i1) (the block's windows), nothing between
-        sink_hi = tl.minimum(tl.maximum(sink_end - pos0, 0), i1)
-        n_sink_tiles = tl.cdiv(sink_hi, BLOCK_N)
-        w0 = tl.maximum(tl.maximum(i0 + 1 - recent, 0), n_sink_tiles * BLOCK_N)
-        n_tiles = n_sink_tiles + tl.cdiv(tl.maximum(i1 - w0, 0), BLOCK_N)
+        n_sink_tiles, w0, n_tiles = _chunk_tiles(pos0, sink_end, i0, i1, recent, BLOCK_N)
         for it in range(0, n_tiles):
-            e0 = tl.where(it < n_sink_tiles, it * BLOCK_N, w0 + (it - n_sink_tiles) * BLOCK_N)
-            offs_n = e0 + tl.arange(0, BLOCK_N)
+            offs_n = _chunk_tile_start(it, n_sink_tiles, w0, BLOCK_N) + tl.arange(0, BLOCK_N)
             mask_n = offs_n < i1
             rows = (q_start + offs_n).to(tl.int64)
             s, v0, v1, v2, v3 = exact_tile(q0, q1, q2, q3, K_NEW, V_NEW, rows, mask_n, stride_kn, stride_kh,
                                             stride_vn, stride_vh, kvh, col0, BQ, QK_T, False)
-            j = (pos0 + offs_n)[None, :]
-            use = mask_n[None, :] & (j >= first) & (j <= t[:, None]) & ((j < sink_end) | (j > t_win[:, None]))
-            s = tl.where(use, s, float("-inf"))
+            s = tl.where(_chunk_use(offs_n, mask_n, pos0, first, sink_end, t, t_win), s, float("-inf"))
             m_i, l_i, acc0, acc1, acc2, acc3 = softmax_step(s, m_i, l_i, acc0, acc1, acc2, acc3,
                                                              v0, v1, v2, v3, PV_T)
 
@@ -248,6 +278,31 @@ def _rotate(x: torch.Tensor, rot: torch.Tensor, heads: int) -> torch.Tensor:
         r = r.repeat_interleave(heads // r.shape[0], dim=0)
         return torch.einsum("nhd,hde->nhe", x.float(), r).contiguous()
     return (x.float() @ r[0]).contiguous()
+
+
+def _launch_inputs(q, k_new, v_new, cache: LayerCache, index: ExtendIndex, sm_scale: float | None,
+                   out: torch.Tensor | None, new_kv_rotated: bool):
+    """``(out, rotated)`` of a launch: ``out`` checked or allocated; ``rotated`` None when there is nothing to compute,
+    else ``(q', k', v', o')``: ``q'`` fp32 rotated and scaled by ``sm_scale * log2 e``; the chunk's rows rotated and
+    rounded to bf16 as the exact rows are stored (or as given when ``new_kv_rotated``); an fp32 output in the rotated
+    basis."""
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape:
+        raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    n, hq, d = q.shape
+    if n == 0 or index.batch == 0 or index.max_new_len == 0:
+        return out, None
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    qr = _rotate(q, cache.rot_k, hq) * (sm_scale * math.log2(math.e))
+    if new_kv_rotated:
+        kr, vr = k_new, v_new
+    else:
+        kr = _rotate(k_new, cache.rot_k, cache.kv_heads).to(torch.bfloat16)
+        vr = _rotate(v_new, cache.rot_v, cache.kv_heads).to(torch.bfloat16)
+    if kr.stride(-1) != 1 or vr.stride(-1) != 1:
+        raise ValueError("k_new/v_new must have a contiguous last dim")
+    return out, (qr, kr, vr, torch.empty(n, hq, d, dtype=torch.float32, device=q.device))
 
 
 def _check(q, k_new, v_new, cache: LayerCache, index: ExtendIndex) -> None:
@@ -293,24 +348,11 @@ def extend_int2(
     n, hq, d = q.shape
     hkv = cache.kv_heads
     g = cache.group_size
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    elif out.shape != q.shape:
-        raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
-    bsz = index.batch
-    if n == 0 or bsz == 0 or index.max_new_len == 0:
+    out, rotated = _launch_inputs(q, k_new, v_new, cache, index, sm_scale, out, new_kv_rotated)
+    if rotated is None:
         return out
-    gqa = hq // hkv
-    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    qr = _rotate(q, cache.rot_k, hq) * (sm_scale * math.log2(math.e))
-    if new_kv_rotated:
-        kr, vr = k_new, v_new
-    else:  # as the exact rows are stored: rotated, rounded to bf16
-        kr = _rotate(k_new, cache.rot_k, hkv).to(torch.bfloat16)
-        vr = _rotate(v_new, cache.rot_v, hkv).to(torch.bfloat16)
-    if kr.stride(-1) != 1 or vr.stride(-1) != 1:
-        raise ValueError("k_new/v_new must have a contiguous last dim")
-    o_rot = torch.empty(n, hq, d, dtype=torch.float32, device=q.device)
+    qr, kr, vr, o_rot = rotated
+    bsz, gqa = index.batch, hq // hkv
     fp32_dot = not gpu_codegen(q)
     block_h = triton.next_power_of_2(gqa)
     block_t = max(1, block_m // block_h)
@@ -435,22 +477,25 @@ def _dequant_list_kernel(
         me = (e < n)[:, None]
         slot = tl.load(KV_INDICES + e, mask=e < n, other=0).to(tl.int64)
         row = hl * stride_oh + e.to(tl.int64)[:, None] * stride_on + col0[None, :]
-        kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :], mask=me, other=0)
-        ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :], mask=me, other=0.0)
-        kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :], mask=me, other=0.0)
-        ks = ks.to(tl.float32)
-        kz = kz.to(tl.float32)
-        for j in tl.static_range(4):
-            x = ((kc >> (2 * j)) & 3).to(tl.float32) * ks + kz
-            tl.store(K_OUT + row + j * BQ, x.to(K_OUT.dtype.element_ty), mask=me)
-        vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :], mask=me, other=0)
-        vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :], mask=me, other=0.0)
-        vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :], mask=me, other=0.0)
-        vs = vs.to(tl.float32)
-        vz = vz.to(tl.float32)
-        for j in tl.static_range(4):
-            x = ((vc >> (2 * j)) & 3).to(tl.float32) * vs + vz
-            tl.store(V_OUT + row + j * BQ, x.to(V_OUT.dtype.element_ty), mask=me)
+        _dequant_rows(K_CODES, K_SCALE, K_ZERO, K_OUT, slot, kvh, row, me, offs_m, gidx,
+                      stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh, BQ)
+        _dequant_rows(V_CODES, V_SCALE, V_ZERO, V_OUT, slot, kvh, row, me, offs_m, gidx,
+                      stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh, BQ)
+
+
+@triton.jit
+def _dequant_rows(CODES, SCALE, ZERO, OUT, slot, kvh, row, me, offs_m, gidx,
+                  stride_cs, stride_ch, stride_ss, stride_sh, stride_zs, stride_zh, BQ: tl.constexpr):
+    """Slots ``slot`` of one pool (K or V), head ``kvh`` -> ``OUT`` rows ``row`` (element offsets of bit plane 0;
+    plane ``j`` at ``+ j * BQ``): ``code * s + z`` in fp32, rounded to ``OUT``'s type."""
+    c = tl.load(CODES + slot[:, None] * stride_cs + kvh * stride_ch + offs_m[None, :], mask=me, other=0)
+    sc = tl.load(SCALE + slot[:, None] * stride_ss + kvh * stride_sh + gidx[None, :], mask=me, other=0.0)
+    z = tl.load(ZERO + slot[:, None] * stride_zs + kvh * stride_zh + gidx[None, :], mask=me, other=0.0)
+    sc = sc.to(tl.float32)
+    z = z.to(tl.float32)
+    for j in tl.static_range(4):
+        x = ((c >> (2 * j)) & 3).to(tl.float32) * sc + z
+        tl.store(OUT + row + j * BQ, x.to(OUT.dtype.element_ty), mask=me)
 
 
 @triton.jit
@@ -490,20 +535,10 @@ def _extend_deq_kernel(
     M: tl.constexpr = BLOCK_T * BLOCK_H
     offs_d = tl.arange(0, HEAD_DIM)
 
-    q_start = tl.load(QO_INDPTR + b)
-    q_len = tl.load(QO_INDPTR + b + 1) - q_start
     i0 = mb * BLOCK_T
+    q_start, q_len, i1, pos0, first, sink_end, tok, hh, mask_r, t, t_win = _block_rows(
+        QO_INDPTR, Q_POS0, START, b, i0, sink, recent, GQA, BLOCK_H, BLOCK_T)
     if i0 < q_len:
-        i1 = tl.minimum(i0 + BLOCK_T, q_len)
-        pos0 = tl.load(Q_POS0 + b)
-        first = tl.load(START + b)
-        sink_end = first + sink
-        offs_r = tl.arange(0, M)
-        tok = i0 + offs_r // BLOCK_H
-        hh = offs_r % BLOCK_H
-        mask_r = (tok < q_len) & (hh < GQA)
-        t = pos0 + tok
-        t_win = t - recent
         q_rows = Q + (q_start + tok).to(tl.int64)[:, None] * stride_qn + (kvh * GQA + hh)[:, None] * stride_qh
         mq = mask_r[:, None]
         q = tl.load(q_rows + offs_d[None, :], mask=mq, other=0.0).to(QK_T)
@@ -559,28 +594,21 @@ def _extend_deq_kernel(
                 k = tl.load(K_BF16 + rows[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=mn,
                             other=0.0)
                 s = tl.dot(q, tl.trans(k.to(QK_T)))
-                use = mask_n[None, :] & ((pos[None, :] < sink_end) | (pos[None, :] > t_win[:, None]))
-                s = tl.where(use, s, float("-inf"))
+                s = tl.where(_exact_use(pos, mask_n, sink_end, t_win), s, float("-inf"))
                 v = tl.load(V_BF16 + rows[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=mn,
                             other=0.0)
                 m_i, l_i, acc = _online_step(s, m_i, l_i, acc, v, PV_T)
 
         # ---- the chunk itself (exact): its sinks, then the block's windows ----
-        sink_hi = tl.minimum(tl.maximum(sink_end - pos0, 0), i1)
-        n_sink_tiles = tl.cdiv(sink_hi, BLOCK_N)
-        w0 = tl.maximum(tl.maximum(i0 + 1 - recent, 0), n_sink_tiles * BLOCK_N)
-        n_tiles = n_sink_tiles + tl.cdiv(tl.maximum(i1 - w0, 0), BLOCK_N)
+        n_sink_tiles, w0, n_tiles = _chunk_tiles(pos0, sink_end, i0, i1, recent, BLOCK_N)
         for it in range(0, n_tiles):
-            e0 = tl.where(it < n_sink_tiles, it * BLOCK_N, w0 + (it - n_sink_tiles) * BLOCK_N)
-            offs_n = e0 + offs_n0
+            offs_n = _chunk_tile_start(it, n_sink_tiles, w0, BLOCK_N) + offs_n0
             mask_n = offs_n < i1
             rows = (q_start + offs_n).to(tl.int64)
             mn = mask_n[:, None]
             k = tl.load(K_NEW + rows[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=mn, other=0.0)
             s = tl.dot(q, tl.trans(k.to(QK_T)))
-            j = (pos0 + offs_n)[None, :]
-            use = mask_n[None, :] & (j >= first) & (j <= t[:, None]) & ((j < sink_end) | (j > t_win[:, None]))
-            s = tl.where(use, s, float("-inf"))
+            s = tl.where(_chunk_use(offs_n, mask_n, pos0, first, sink_end, t, t_win), s, float("-inf"))
             v = tl.load(V_NEW + rows[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=mn, other=0.0)
             m_i, l_i, acc = _online_step(s, m_i, l_i, acc, v, PV_T)
 
@@ -641,24 +669,11 @@ def extend_int2_dequant(
     if not isinstance(int2_tokens, int) or not 0 <= int2_tokens <= sk.shape[1]:
         raise ValueError(f"int2_tokens must be a host int in [0, {sk.shape[1]}] (the scratch's rows), "
                          f"got {int2_tokens!r}")
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    elif out.shape != q.shape:
-        raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
-    bsz = index.batch
-    if n == 0 or bsz == 0 or index.max_new_len == 0:
+    out, rotated = _launch_inputs(q, k_new, v_new, cache, index, sm_scale, out, new_kv_rotated)
+    if rotated is None:
         return out
-    gqa = hq // hkv
-    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    qr = _rotate(q, cache.rot_k, hq) * (sm_scale * math.log2(math.e))
-    if new_kv_rotated:
-        kr, vr = k_new, v_new
-    else:
-        kr = _rotate(k_new, cache.rot_k, hkv).to(torch.bfloat16)
-        vr = _rotate(v_new, cache.rot_v, hkv).to(torch.bfloat16)
-    if kr.stride(-1) != 1 or vr.stride(-1) != 1:
-        raise ValueError("k_new/v_new must have a contiguous last dim")
-    o_rot = torch.empty(n, hq, d, dtype=torch.float32, device=q.device)
+    qr, kr, vr, o_rot = rotated
+    bsz, gqa = index.batch, hq // hkv
     fp32_dot = not gpu_codegen(q)
     block_h = triton.next_power_of_2(gqa)
     block_t = max(1, block_m // block_h)

@@ -63,6 +63,5 @@ def test_every_kernel_compiles_for_sm90_without_a_gpu(tmp_path, triton_site):
     names = {line.split(": ")[1].split(" (")[0] for line in r.stdout.splitlines() if line.startswith("sm_90 head dim")}
     assert names == {"_quantize_pack_kv_kernel", "_plan_lengths_kernel", "_plan_fill_kernel", "_extend_int2_kernel",
                      "_dequant_list_kernel", "_extend_deq_kernel",
-                     "_rotate_q_kernel", "_decode_rows_kernel", "_decode_int2_kernel", "_decode_int2_merge_kernel",
-                     "_decode_int2_merge_head_kernel"}
+                     "_rotate_q_kernel", "_decode_rows_kernel", "_decode_int2_kernel", "_decode_int2_merge_kernel"}
     assert "launches compiled for sm_90, none run" in r.stdout

@@ -100,11 +100,10 @@ def test_decode_split_counts_do_not_change_the_answer(splits):
     torch.testing.assert_close(out, ref, **TOL)
 
 
-@pytest.mark.parametrize("per_head,merge_chunk", [(False, 4), (False, 8), (True, 1), (True, 4), (True, 32)])
-def test_decode_merge_chunks_do_not_change_the_answer(per_head, merge_chunk):
+@pytest.mark.parametrize("merge_chunk", [1, 4, 32])
+def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
     """The merge reading several INT2 partials per step (counts 3, 1, 6 and 2 of a grid of 7: chunks that end past a
-    sequence's count, partials of inactive splits poisoned) gives the reference answer on both paths, per KV head
-    and per query head."""
+    sequence's count, partials of inactive splits poisoned) gives the reference answer on both paths."""
     gen = torch.Generator().manual_seed(11 + merge_chunk)
     for g in (64, 32):  # the row-scale path (g = d) and the general one
         lists = make_cache(INT2_LENS, BF16_LENS, HKV, 64, g, gen)
@@ -112,7 +111,7 @@ def test_decode_merge_chunks_do_not_change_the_answer(per_head, merge_chunk):
         index = lists.index(SPLITS, MAX_SPLITS)
         out = torch.full(q.shape, float("nan"), device=DEVICE)
         decode_int2(q, lists.cache, index, workspace=_poisoned_workspace(q.shape[0], q.shape[1], 64, MAX_SPLITS),
-                    out=out, merge_chunk=merge_chunk, merge_per_head=per_head)
+                    out=out, merge_chunk=merge_chunk)
         torch.testing.assert_close(out, decode_int2_ref(q, lists.cache, index), **TOL)
     with pytest.raises(ValueError, match="merge_chunk must be a power of two"):
         decode_int2(q, lists.cache, index, merge_chunk=3)
