@@ -4,7 +4,8 @@ Storage and the one definition of its layout: :mod:`oscar_kernels.layout` (``Int
 the exact-row map) and :class:`Int2KVPool` (all layers, writes, accounting).
 Kernels: ``quantize_pack`` (rotate, clip, quantize, pack and scatter new tokens, optionally their exact rows),
 ``decode_int2`` (split-KV decode over INT2 slots plus exact rows), ``extend_int2`` (prefill/extend under the
-position-wise sink/recent windows).
+position-wise sink/recent windows, INT2 tiles dequantised in registers) and ``extend_int2_dequant`` (the same
+attention over INT2 rows dequantised once into a ``dequant_scratch``: the serving default).
 Serving: :class:`DecodePlan` / :class:`ExtendPlan` fill the index lists on the device once per batch (``plan``) and
 run a layer's write + attention (``run``) with no host synchronisation.
 """
@@ -16,7 +17,7 @@ import types
 _EXPORTS = {
     "decode_int2": ("DecodeIndex", "SplitPolicy", "decode_index", "decode_int2", "decode_int2_ref", "decode_workspace",
                     "default_num_splits", "split_policy"),
-    "extend_int2": ("ExtendIndex", "extend_int2", "extend_int2_ref"),
+    "extend_int2": ("ExtendIndex", "dequant_scratch", "extend_int2", "extend_int2_dequant", "extend_int2_ref"),
     "layout": ("DEFAULT_CLIP_RATIO", "SCALE_EPS", "Int2Pool", "LayerCache", "cached_rows_ref", "dequantize_ref",
                "exact_row_ref", "pack", "unpack"),
     "plan": ("DecodePlan", "ExtendPlan"),
@@ -64,9 +65,11 @@ __all__ = [
     "decode_int2_ref",
     "decode_workspace",
     "default_num_splits",
+    "dequant_scratch",
     "dequantize_ref",
     "exact_row_ref",
     "extend_int2",
+    "extend_int2_dequant",
     "extend_int2_ref",
     "pack",
     "quantize_pack",
