@@ -155,6 +155,20 @@ def _chunk_use(offs_n, mask_n, pos0, first, sink_end, t, t_win):
 
 
 @triton.jit
+def _int2_extent(pos0, i1, sink_end, recent, kv_len):
+    """INT2 list elements the rows of chunk tokens before ``i1`` may read: element ``e`` is position ``sink_end + e``,
+    read through its code by a row at ``t`` iff ``sink_end + e <= t - recent``, so the row of token ``i1 - 1``
+    decides."""
+    return tl.minimum(tl.maximum(pos0 + i1 - recent - sink_end, 0), kv_len)
+
+
+@triton.jit
+def _int2_use(offs_n, mask_n, sink_end, t_win):
+    """Which rows read INT2 list elements ``offs_n`` through their codes (see :func:`_int2_extent`)."""
+    return mask_n[None, :] & ((sink_end + offs_n)[None, :] <= t_win[:, None])
+
+
+@triton.jit
 def _exact_use(pos, mask_n, sink_end, t_win):
     """Which rows use cached exact rows at positions ``pos``: sinks, or inside the row's window."""
     return mask_n[None, :] & ((pos[None, :] < sink_end) | (pos[None, :] > t_win[:, None]))
@@ -206,8 +220,7 @@ def _extend_int2_kernel(
         # ---- INT2 slots: element e is position sink_end + e, used iff sink_end + e <= t - recent ----
         kv_start = tl.load(KV_INDPTR + b)
         kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
-        t_last = pos0 + i1 - 1  # the block's last query
-        n_int2 = tl.minimum(tl.maximum(t_last - recent - sink_end + 1, 0), kv_len)  # later tiles: no row uses them
+        n_int2 = _int2_extent(pos0, i1, sink_end, recent, kv_len)  # later tiles: no row uses them
         for e0 in range(0, n_int2, BLOCK_N):
             offs_n = e0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < n_int2
@@ -222,8 +235,7 @@ def _extend_int2_kernel(
             s += dot_nt(q1, (((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T), False)
             s += dot_nt(q2, (((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T), False)
             s += dot_nt(q3, ((kc >> 6).to(tl.float32) * ks + kz).to(QK_T), False)
-            use = mask_n[None, :] & ((sink_end + offs_n)[None, :] <= t_win[:, None])
-            s = tl.where(use, s, float("-inf"))
+            s = tl.where(_int2_use(offs_n, mask_n, sink_end, t_win), s, float("-inf"))
             vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
             vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :], mask=mn, other=0.0)
             vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :], mask=mn, other=0.0)
@@ -549,9 +561,8 @@ def _extend_deq_kernel(
         # ---- INT2 (dequantised): element e is position sink_end + e, used iff sink_end + e <= t - recent ----
         kv_start = tl.load(KV_INDPTR + b)
         kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
-        t_last = pos0 + i1 - 1
-        n_int2 = tl.minimum(tl.maximum(t_last - recent - sink_end + 1, 0), kv_len)
-        n_all = tl.minimum(tl.maximum(pos0 + i0 - recent - sink_end + 1, 0), kv_len)  # every row uses these
+        n_int2 = _int2_extent(pos0, i1, sink_end, recent, kv_len)
+        n_all = _int2_extent(pos0, i0 + 1, sink_end, recent, kv_len)  # the block's first row uses these: every row
         n_all = (n_all // BLOCK_N) * BLOCK_N
         offs_n0 = tl.arange(0, BLOCK_N)
         k_base = K_DEQ + hl * stride_dh + kv_start.to(tl.int64) * stride_dn + offs_d[None, :]
@@ -574,8 +585,7 @@ def _extend_deq_kernel(
             rows = offs_n.to(tl.int64)[:, None] * stride_dn
             k = tl.load(k_base + rows, mask=mask_n[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k.to(QK_T)))
-            use = mask_n[None, :] & ((sink_end + offs_n)[None, :] <= t_win[:, None])
-            s = tl.where(use, s, float("-inf"))
+            s = tl.where(_int2_use(offs_n, mask_n, sink_end, t_win), s, float("-inf"))
             v = tl.load(v_base + rows, mask=mask_n[:, None], other=0.0)
             m_i, l_i, acc = _online_step(s, m_i, l_i, acc, v, PV_T)
 

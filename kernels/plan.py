@@ -256,6 +256,8 @@ class DecodePlan(_Plan):
         self.row_kernel = row_path(pool.layer(0), row_kernel)
         self._policy_args = dict(min_programs=min_programs, split_tokens=split_tokens,
                                  min_split_tokens=min_split_tokens)
+        if max_splits is not None and max_splits < 1:
+            raise ValueError(f"max_splits must be >= 1, got {max_splits}")
         self.split_cap = max_splits
         self._bounds = [self._grid_bound(bsz) for bsz in range(max_batch + 1)]
         self.max_splits = max(self._bounds)
@@ -279,7 +281,7 @@ class DecodePlan(_Plan):
     def _grid_bound(self, bsz: int) -> int:
         """Host int: the split bound of a ``bsz``-sequence batch's grid (its uniform batch at ``max_seq_len``)."""
         if self.split_cap is not None:
-            return split_policy(1, self.pool.kv_heads, 1, self.row_kernel, self.split_cap).max_splits  # validated
+            return self.split_cap
         return split_policy(max(bsz, 1), self.pool.kv_heads, self._int2_len(self.max_seq_len), self.row_kernel,
                             None, **self._policy_args).max_splits
 
@@ -390,6 +392,15 @@ class ExtendPlan(_Plan):
         """Whether the planned batch runs the dequantised-prefix path."""
         return self.int2_tokens is not None and 0 < self.dequant_tokens and self.int2_tokens <= self.dequant_tokens
 
+    def int2_rows(self, ends: list[int], starts: list[int] | None = None) -> int:
+        """Host int: the INT2 list length of a batch whose chunks end at ``ends`` (prefix + extend lengths) from
+        first positions ``starts`` (default 0): per sequence ``max(0, min(end, max_seq_len) - recent - start - sink)``,
+        the ``[sink_end, c1 - recent)`` range ``plan`` fills. What :meth:`plan`'s ``int2_tokens`` asks for."""
+        starts = [0] * len(ends) if starts is None else starts
+        sink, recent = self.pool.sink, self.pool.recent
+        return sum(max(0, min(c1, self.max_seq_len) - recent - st - sink)
+                   for c1, st in zip(ends, starts, strict=True))
+
     def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
              extend_lens: torch.Tensor, out_cache_loc: torch.Tensor, start: torch.Tensor | None = None,
              max_extend_len: int | None = None, max_seq_len: int | None = None,
@@ -405,9 +416,8 @@ class ExtendPlan(_Plan):
             start: optional int32/int64 ``[B]`` first real position (default 0).
             max_extend_len: host bound of ``extend_lens`` (sets the grid; default ``N``).
             max_seq_len: host bound of ``prefix_lens + extend_lens`` (checked against the construction's).
-            int2_tokens: host bound of the batch's INT2 rows, ``sum(max(0, c1 - recent - start - sink))`` over its
-                sequences (``c1`` = prefix + extend length); decides the dequantised path. Default: computed when
-                the lengths are CPU tensors, else ``B * max_seq_len``.
+            int2_tokens: host bound of the batch's INT2 rows (:meth:`int2_rows`); decides the dequantised path.
+                Default: :meth:`int2_rows` when the lengths are CPU tensors, else ``B * max_seq_len``.
         """
         bsz = _check_batch(req_to_token, req_pool_indices, self.max_batch)
         _check_len("prefix_lens", prefix_lens, bsz)
@@ -420,12 +430,9 @@ class ExtendPlan(_Plan):
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the plan's {self.max_seq_len}")
         self._fill(req_to_token, req_pool_indices, prefix_lens, extend_lens, start, out_cache_loc, bsz)
         if int2_tokens is None:
-            on_cpu = all(t is None or t.device.type == "cpu" for t in (prefix_lens, extend_lens, start))
-            if on_cpu:
-                st = 0 if start is None else start.long()
-                lo = st + self.pool.sink
-                hi = torch.clamp_max(prefix_lens.long() + extend_lens.long(), self.max_seq_len) - self.pool.recent
-                int2_tokens = int(torch.clamp_min(hi - lo, 0).sum())
+            if all(t is None or t.device.type == "cpu" for t in (prefix_lens, extend_lens, start)):
+                ends = (prefix_lens.long() + extend_lens.long()).tolist()
+                int2_tokens = self.int2_rows(ends, None if start is None else start.tolist())
             else:
                 int2_tokens = bsz * (max_seq_len or self.max_seq_len)
         if not isinstance(int2_tokens, int) or int2_tokens < 0:

@@ -171,11 +171,9 @@ class OscarAttention:
             self._plan_anchors(req_pool_indices, out_cache_loc, list(prefix_cpu), list(extend_cpu), list(rids))
         kv.table.mark()
         ends = [c0 + n for c0, n in zip(prefix_cpu, extend_cpu, strict=True)]
-        sink, recent = kv.pool.sink, kv.pool.recent
-        int2 = sum(max(0, min(c1, self.max_seq_len) - recent - sink) for c1 in ends)  # SGLang: start 0
         self.extend.plan(self.req_to_token, req_pool_indices, prefix_lens, extend_lens, out_cache_loc,
                          max_extend_len=max(extend_cpu, default=0), max_seq_len=max(ends, default=0),
-                         int2_tokens=int2)
+                         int2_tokens=self.extend.int2_rows(ends))  # SGLang: every sequence starts at 0
 
     def _plan_anchors(self, rpi: torch.Tensor, loc: torch.Tensor, prefix: list[int], ext: list[int],
                       rids: list[str]) -> None:
