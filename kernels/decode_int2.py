@@ -10,7 +10,8 @@ Math, for sequence ``b`` and query head ``h`` (KV head ``kh = h // (Hq / Hkv)``)
 Kernels, all launched without host synchronisation, so one call can be captured in a CUDA graph:
 
 * ``_rotate_q_kernel``, grid ``(B, Hkv)``: ``q' = q @ R_K[kh] * sm_scale * log2(e)`` once per query head
-  (fp32, base-2 softmax units), into the workspace.
+  (fp32, base-2 softmax units), into the workspace; skipped with ``rotate_q=False``, when the step's K/V write
+  launch has written ``q'`` already (:func:`oscar_kernels.quantize_pack.quantize_pack_kv` with ``q``).
 * ``_decode_rows_kernel``, grid ``(B, Hkv, max_splits + 1)``, the fast path for one scale/zero per row
   (``g = d >= 128``). Sequence ``b`` uses ``n_b = clamp(num_splits[b], 1, max_splits)`` INT2 splits (a device
   tensor: ragged batches get per-sequence counts inside a grid fixed by the host int ``max_splits``); split
@@ -27,9 +28,9 @@ Kernels, all launched without host synchronisation, so one call can be captured 
   share of the dot.
 * ``_decode_int2_kernel``, same grid and split rule, the general path (``g < d`` or ``d = 64``): quarter planes of
   bytes, codes dequantised per element when ``g < d``.
-* ``_decode_int2_merge_kernel``, grid ``(B, Hq)``: merges sequence ``b``'s ``n_b`` INT2 partials and the exact one
-  of one query head by log-sum-exp (the partials of exited programs are never read) and rotates back by ``R_V^T`` in
-  the same program.
+* ``_decode_int2_merge_kernel``, grid ``(B, Hq, d / merge_cols)``: merges sequence ``b``'s ``n_b`` INT2 partials and
+  the exact one of one query head by log-sum-exp (the partials of exited programs are never read) and rotates back
+  by ``R_V^T`` in the same program (``merge_cols`` output columns of it per program).
 
 Each active split writes its normalised partial output and base-2 log-sum-exp (an empty split: ``lse = -inf``).
 
@@ -54,6 +55,8 @@ import triton.language as tl
 from .layout import LayerCache, cached_rows_ref, check_index, check_query, check_seq, gpu_codegen
 from .scheme import cuda_head_dim_refusal
 
+LOG2E = math.log2(math.e)
+"""The kernels' softmax runs in base 2: the rotated query carries ``sm_scale * LOG2E``."""
 DEFAULT_MIN_PROGRAMS = 128
 """General path: split programs aimed for at least (about one per SM of an H200), through the split policy's
 ``min_splits``."""
@@ -123,6 +126,16 @@ MERGE_WARPS = 4
 """Merge: warps per program (not swept)."""
 MERGE_ROT_ROWS = 64
 """Merge: output columns per piece of the ``R_V^T`` product (bounds the registers of the loaded rows)."""
+MERGE_COLS = 128
+"""Merge: output columns per program (``decode_int2(merge_cols=...)``; ``min(d, MERGE_COLS)``): ``d / cols``
+programs per (sequence, query head), each merging the whole ``o'`` and rotating its columns. 128 (one program per
+head at d = 128) is what every measurement up to commit 8d049a4 ran; ``bench_decode.py --bs1`` times 64 and 32."""
+ROWS_PREFETCH = False
+"""Row-scale path: load the next tile's slot indices one iteration ahead (``decode_int2(prefetch=...)``), so a
+tile's code loads wait on one memory latency instead of two. ``bench_decode.py --bs1`` times it."""
+ROWS_EARLY_V = False
+"""Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
+(``decode_int2(early_v=...)``) instead of after the scores; costs registers. ``bench_decode.py --bs1`` times it."""
 
 F16_MAGIC = tl.constexpr(1024.0)
 """fp16 1024: OR-ing a code ``c < 1024`` into its mantissa gives exactly ``1024 + c`` (the PTX unpacks)."""
@@ -268,6 +281,7 @@ def _decode_rows_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
     MAGIC: tl.constexpr, DOT_T: tl.constexpr, BF_PV_T: tl.constexpr, OFF64: tl.constexpr,
+    PREFETCH: tl.constexpr, EARLY_V: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -325,15 +339,27 @@ def _decode_rows_kernel(
         split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, kv_len)
+        offs_t = tl.arange(0, BLOCK_N)
+        if PREFETCH:  # the slots of the first tile; each iteration then loads the next tile's
+            slot_next = tl.load(KV_INDICES + kv_start + lo + offs_t, mask=lo + offs_t < hi, other=0)
         for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+            offs_n = start + offs_t
             mask_n = offs_n < hi
-            slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0)
+            if PREFETCH:
+                slot = slot_next
+                slot_next = tl.load(KV_INDICES + kv_start + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < hi, other=0)
+            else:
+                slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0)
             if OFF64:
                 slot = slot.to(tl.int64)
             kw = tl.load(K_WORDS + slot[:, None] * stride_kws + kvh * stride_kwh + offs_w[None, :])
             ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh).to(tl.float32)
             kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh).to(tl.float32)
+            if EARLY_V:  # the value tile's loads issued beside the key tile's, before the score math
+                # masked tokens read slot 0 (any bits): their s is -inf below, their p*s and p*z must be 0
+                vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
+                vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
+                vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
             if MAGIC:
                 k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(kw)
             else:
@@ -352,12 +378,14 @@ def _decode_rows_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, 0)
-            # masked tokens read slot 0 (any bits): their s is -inf above, their p*s and p*z must be 0
-            vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
-            vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
+            if not EARLY_V:
+                # masked tokens read slot 0 (any bits): their s is -inf above, their p*s and p*z must be 0
+                vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
+                vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
             ps = (p * vs[:, None]).to(DOT_T)
             pz = pz * alpha + tl.sum(p * vz[:, None], 0)
-            vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
+            if not EARLY_V:
+                vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
             if MAGIC:
                 v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(vw)
             else:
@@ -643,12 +671,15 @@ def _decode_int2_merge_kernel(
     stride_rh, stride_rr, stride_rc,
     stride_ob, stride_oh, stride_od,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, ROT_ROWS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, ROT_ROWS: tl.constexpr, COLS: tl.constexpr,
 ):
-    """The merge of one (sequence, query head): partial weights from every LSE at once, the weighted sum of the
-    partials ``SPLIT_CHUNK`` at a time (independent loads), then ``o = o' @ R_V^T`` as fp32 multiply-sums."""
+    """The merge of one (sequence, query head), output columns ``[c * COLS, (c + 1) * COLS)``: partial weights from
+    every LSE at once, the weighted sum of the partials ``SPLIT_CHUNK`` at a time (independent loads), then those
+    columns of ``o = o' @ R_V^T`` as fp32 multiply-sums. With ``COLS < d`` each of the ``d / COLS`` programs of a head
+    merges the whole ``o'`` (the partials are read from L2 that many times) and rotates its share."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    col = tl.program_id(2) * COLS
     kvh = h // GQA
     num_splits = _active_splits(NUM_SPLITS, b, max_splits)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -671,10 +702,10 @@ def _decode_int2_merge_kernel(
     o = o * tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)
     r_base = ROT_V + (kvh * stride_rh if ROT_PER_HEAD else 0)
     offs_r = tl.arange(0, ROT_ROWS)
-    for c in tl.static_range(0, HEAD_DIM, ROT_ROWS):  # out[c] = sum_k o'[k] R_V[c, k]
-        r = tl.load(r_base + (c + offs_r)[:, None] * stride_rr + offs_d[None, :] * stride_rc)
+    for c in tl.static_range(0, COLS, ROT_ROWS):  # out[c] = sum_k o'[k] R_V[c, k]
+        r = tl.load(r_base + (col + c + offs_r)[:, None] * stride_rr + offs_d[None, :] * stride_rc)
         out = tl.sum(r * o[None, :], 1)
-        tl.store(OUT + b * stride_ob + h * stride_oh + (c + offs_r) * stride_od, out.to(OUT.dtype.element_ty))
+        tl.store(OUT + b * stride_ob + h * stride_oh + (col + c + offs_r) * stride_od, out.to(OUT.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -822,6 +853,10 @@ def decode_int2(
     row_kernel: bool | None = None,
     max_registers: int | None = None,
     merge_chunk: int = MERGE_SPLIT_CHUNK,
+    merge_cols: int = MERGE_COLS,
+    prefetch: bool = ROWS_PREFETCH,
+    early_v: bool = ROWS_EARLY_V,
+    rotate_q: bool = True,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -841,6 +876,12 @@ def decode_int2(
         max_registers: register cap per thread of the row-scale split kernel (Triton's ``maxnreg``; default
             ``ROWS_MAX_REGISTERS`` from ``ROWS_CAPPED_PROGRAMS`` launched split programs on, else none; 0 for none).
         merge_chunk: INT2 partials the merge reads per step, a power of two (``MERGE_SPLIT_CHUNK``).
+        merge_cols: output columns per merge program, a power of two (``MERGE_COLS``; at most ``d``).
+        prefetch, early_v: row-scale path: load the next tile's slots one iteration ahead (``ROWS_PREFETCH``); issue
+            the value tile's loads with the key tile's (``ROWS_EARLY_V``).
+        rotate_q: ``False``: the workspace's ``q_rot`` already holds ``q @ R_K * sm_scale * log2(e)`` (fp32, e.g.
+            written by the step's K/V write launch, as :meth:`~oscar_kernels.plan.DecodePlan.run` does), so the
+            query rotation launch is skipped; ``q`` then only gives the shapes and the output dtype.
 
     Returns:
         ``out``: ``[B, Hq, d]``, attention output in the original (un-rotated) basis.
@@ -852,6 +893,8 @@ def decode_int2(
     index.check(bsz)
     if merge_chunk < 1 or merge_chunk & (merge_chunk - 1):
         raise ValueError(f"merge_chunk must be a power of two >= 1, got {merge_chunk}")
+    if merge_cols < 1 or merge_cols & (merge_cols - 1):
+        raise ValueError(f"merge_cols must be a power of two >= 1, got {merge_cols}")
     gqa = hq // hkv
     g = cache.group_size
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -873,12 +916,13 @@ def decode_int2(
         return out
     fp32_dot = not gpu_codegen(q)
     k, v = cache.k, cache.v
-    _rotate_q_kernel[(bsz, hkv)](
-        q, cache.rot_k, q_rot, sm_scale * math.log2(math.e),
-        *q.stride(), *cache.rot_k.stride(), q_rot.stride(0), q_rot.stride(1),
-        GQA=gqa, BLOCK_H=triton.next_power_of_2(gqa), HEAD_DIM=d, BLOCK_C=min(d, Q_ROT_BLOCK_C),
-        ROT_PER_HEAD=cache.rot_k.shape[0] > 1, num_warps=Q_ROT_WARPS,
-    )
+    if rotate_q:
+        _rotate_q_kernel[(bsz, hkv)](
+            q, cache.rot_k, q_rot, sm_scale * LOG2E,
+            *q.stride(), *cache.rot_k.stride(), q_rot.stride(0), q_rot.stride(1),
+            GQA=gqa, BLOCK_H=triton.next_power_of_2(gqa), HEAD_DIM=d, BLOCK_C=min(d, Q_ROT_BLOCK_C),
+            ROT_PER_HEAD=cache.rot_k.shape[0] > 1, num_warps=Q_ROT_WARPS,
+        )
     if row_kernel:
         if max_registers is None and bsz * hkv * max_splits >= ROWS_CAPPED_PROGRAMS:
             max_registers = ROWS_MAX_REGISTERS
@@ -900,6 +944,7 @@ def decode_int2(
             BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=BF16_BLOCK_N,
             MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
             BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
+            PREFETCH=bool(prefetch), EARLY_V=bool(early_v),
             num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES,
             **({"maxnreg": max_registers} if max_registers else {}),
         )
@@ -927,7 +972,8 @@ def decode_int2(
             PTX_UNPACK=bool(ptx_unpack),
             num_warps=num_warps, num_stages=num_stages or GENERAL_STAGES,
         )
-    _decode_int2_merge_kernel[(bsz, hq)](
+    cols = min(d, merge_cols)
+    _decode_int2_merge_kernel[(bsz, hq, d // cols)](
         part_o, part_lse, index.num_splits, cache.rot_v, out,
         max_splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
@@ -935,7 +981,7 @@ def decode_int2(
         *cache.rot_v.stride(),
         *out.stride(),
         GQA=gqa, HEAD_DIM=d, BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1,
-        SPLIT_CHUNK=merge_chunk, ROT_ROWS=min(d, MERGE_ROT_ROWS), num_warps=MERGE_WARPS,
+        SPLIT_CHUNK=merge_chunk, ROT_ROWS=min(cols, MERGE_ROT_ROWS), COLS=cols, num_warps=MERGE_WARPS,
     )
     return out
 

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .decode_int2 import (
+    LOG2E,
     MIN_SPLIT_TOKENS,
     DecodeIndex,
     decode_int2,
@@ -241,6 +242,9 @@ class DecodePlan(_Plan):
         write_tuning: launch parameters of the step's K/V write (``block_n``, ``rot_precision``, ``num_warps`` of
             :func:`~oscar_kernels.quantize_pack.quantize_pack_kv`; default
             :data:`~oscar_kernels.quantize_pack.DECODE_WRITE`, the measured fastest for a decode step's rows).
+        fuse_q_rotation: :meth:`run` rotates the queries in the launch of the step's K/V write (one launch per
+            layer fewer; :func:`~oscar_kernels.quantize_pack.quantize_pack_kv` with ``q``) instead of in
+            :func:`~oscar_kernels.decode_int2.decode_int2`'s own query-rotation launch. Default ``True``.
         row_kernel, **tuning: passed to :func:`~oscar_kernels.decode_int2.decode_int2` (``block_n``,
             ``num_warps``, ...; defaults are the measured ones).
     """
@@ -248,7 +252,8 @@ class DecodePlan(_Plan):
     def __init__(self, pool: Int2KVPool, max_batch: int, max_seq_len: int, max_splits: int | None = None, *,
                  q_heads: int, sm_scale: float | None = None, row_kernel: bool | None = None,
                  split_tokens: int | None = None, min_programs: int | None = None,
-                 min_split_tokens: int = MIN_SPLIT_TOKENS, write_tuning: dict | None = None, **tuning):
+                 min_split_tokens: int = MIN_SPLIT_TOKENS, write_tuning: dict | None = None,
+                 fuse_q_rotation: bool = True, **tuning):
         super().__init__(pool, max_batch, max_seq_len, max_batch)
         if q_heads % pool.kv_heads:
             raise ValueError(f"q_heads {q_heads} must be a multiple of the pool's KV heads {pool.kv_heads}")
@@ -265,6 +270,7 @@ class DecodePlan(_Plan):
         self.sm_scale = 1.0 / math.sqrt(pool.head_dim) if sm_scale is None else sm_scale
         self.tuning = tuning
         self.write_tuning = dict(DECODE_WRITE if write_tuning is None else write_tuning)
+        self.fuse_q_rotation = fuse_q_rotation
         b = self._buffers
         b["qo_indptr"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))  # one token per sequence
         b["ext"].fill_(1)
@@ -322,20 +328,30 @@ class DecodePlan(_Plan):
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor | None = None) -> torch.Tensor:
-        """One layer of the planned step: write the new tokens (INT2 code + exact row, one launch for K and V),
-        then decode attention. q ``[B, Hq, d]``, k/v ``[B, Hkv, d]`` un-rotated; returns ``out`` ``[B, Hq, d]``."""
+        """One layer of the planned step: write the new tokens (INT2 code + exact row, one launch for K and V, which
+        also rotates the queries unless ``fuse_q_rotation`` is off), then decode attention. q ``[B, Hq, d]``, k/v
+        ``[B, Hkv, d]`` un-rotated; returns ``out`` ``[B, Hq, d]``."""
         if self.index is None:
             raise RuntimeError("call plan() before run()")
         b, n = self._buffers, self.batch
-        self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["bf16_loc"][:n], **self.write_tuning)
-        return self.attend(layer, q, out)
+        if not self.fuse_q_rotation:
+            self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["bf16_loc"][:n], **self.write_tuning)
+            return self.attend(layer, q, out)
+        if q.shape != (n, self.q_heads, self.pool.head_dim):
+            raise ValueError(f"q must be [{n}, {self.q_heads}, {self.pool.head_dim}], got {tuple(q.shape)}")
+        self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["bf16_loc"][:n], q=q, q_out=self._workspace[2],
+                        q_scale=self.sm_scale * LOG2E, **self.write_tuning)
+        return self._decode(layer, q, out, rotate_q=False)
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention of the planned step over what the pool holds (no write)."""
         if self.index is None:
             raise RuntimeError("call plan() before run()")
+        return self._decode(layer, q, out, rotate_q=True)
+
+    def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor | None, rotate_q: bool) -> torch.Tensor:
         return decode_int2(q, self.pool.layer(layer), self.index, workspace=self._workspace, out=out,
-                           sm_scale=self.sm_scale, row_kernel=self.row_kernel, **self.tuning)
+                           sm_scale=self.sm_scale, row_kernel=self.row_kernel, rotate_q=rotate_q, **self.tuning)
 
 
 class ExtendPlan(_Plan):

@@ -117,7 +117,8 @@ class Int2KVPool:
     # ------------------------------------------------------------------------------------------------ writes
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               bf16_loc: torch.Tensor | None = None,
-              bf16_out: tuple[torch.Tensor, torch.Tensor] | None = None, **tuning) -> None:
+              bf16_out: tuple[torch.Tensor, torch.Tensor] | None = None, q: torch.Tensor | None = None,
+              q_out: torch.Tensor | None = None, q_scale: float = 1.0, **tuning) -> None:
         """Rotate, clip, quantize, pack and scatter new tokens: one launch for K and V (``quantize_pack_kv``).
 
         Args:
@@ -126,6 +127,8 @@ class Int2KVPool:
             bf16_loc: optional int32/int64 ``[N]``: also store the rotated bf16 row at this exact row (``-1``: not).
             bf16_out: where ``bf16_loc`` points (default the layer's exact regions ``(k_bf16, v_bf16)``; a plan
                 passes its own scratch to get the chunk's rotated rows).
+            q, q_out, q_scale: optional queries ``[N, Hq, d]`` of the same tokens, rotated by the layer's ``rot_k``
+                and scaled into fp32 ``q_out`` in the same launch (what a decode step's attention reads).
             **tuning: launch parameters of :func:`~oscar_kernels.quantize_pack.quantize_pack_kv` (``block_n``,
                 ``rot_precision``, ``num_warps``).
         """
@@ -135,7 +138,8 @@ class Int2KVPool:
             ko = vo = None
         quantize_pack_kv(k, v, c.rot_k, c.rot_v, c.clip_k, c.clip_v, (c.k.codes, c.k.scale, c.k.zero),
                          (c.v.codes, c.v.scale, c.v.zero), loc, self.group_size,
-                         bf16_out=None if ko is None else (ko, vo), bf16_loc=bf16_loc, **tuning)
+                         bf16_out=None if ko is None else (ko, vo), bf16_loc=bf16_loc, q=q, q_out=q_out,
+                         q_scale=q_scale, **tuning)
 
     def write_exact(self, layer: int, bf16_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     rotated: bool = False) -> None:

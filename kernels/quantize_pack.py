@@ -73,6 +73,75 @@ def _to_bf16(x):
 
 
 @triton.jit
+def _rotated_quarters(
+    x_rows, mask_n, ROT_H, stride_xd, stride_rr, stride_rc, col0,
+    HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, D4: tl.constexpr,
+    ROTATE: tl.constexpr, PRECISION: tl.constexpr, ROT_FMA: tl.constexpr,
+):
+    """The four column quarters ``y_j = (x @ R)[:, col0 + j * BQ]`` (fp32 ``[BLOCK_N, d/4]``) of the rows at
+    ``x_rows`` (``[BLOCK_N, 1]`` pointers), ``R`` at ``ROT_H``; without ``ROTATE`` the rows themselves."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    if ROTATE and ROT_FMA:  # few rows (a decode step): fp32 multiply-adds on the CUDA cores, KB rows of R at a time
+        KB: tl.constexpr = 32 if HEAD_DIM >= 32 else HEAD_DIM
+        offs_k = tl.arange(0, KB)
+        y0 = tl.zeros([BLOCK_N, D4], tl.float32)
+        y1 = tl.zeros([BLOCK_N, D4], tl.float32)
+        y2 = tl.zeros([BLOCK_N, D4], tl.float32)
+        y3 = tl.zeros([BLOCK_N, D4], tl.float32)
+        for k0 in tl.static_range(0, HEAD_DIM, KB):
+            xk = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xd, mask=mask_n[:, None], other=0.0)
+            xk = xk.to(tl.float32)[:, :, None]
+            r_k = ROT_H + (k0 + offs_k)[:, None] * stride_rr
+            y0 += tl.sum(xk * tl.load(r_k + (col0 + 0 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+            y1 += tl.sum(xk * tl.load(r_k + (col0 + 1 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+            y2 += tl.sum(xk * tl.load(r_k + (col0 + 2 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+            y3 += tl.sum(xk * tl.load(r_k + (col0 + 3 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+    elif ROTATE:
+        x = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=mask_n[:, None], other=0.0).to(tl.float32)
+        r_base = ROT_H + offs_d[:, None] * stride_rr
+        y0 = tl.dot(x, tl.load(r_base + (col0 + 0 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
+        y1 = tl.dot(x, tl.load(r_base + (col0 + 1 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
+        y2 = tl.dot(x, tl.load(r_base + (col0 + 2 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
+        y3 = tl.dot(x, tl.load(r_base + (col0 + 3 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
+    else:
+        m2 = mask_n[:, None]
+        y0 = tl.load(x_rows + (col0 + 0 * BQ)[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)
+        y1 = tl.load(x_rows + (col0 + 1 * BQ)[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)
+        y2 = tl.load(x_rows + (col0 + 2 * BQ)[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)
+        y3 = tl.load(x_rows + (col0 + 3 * BQ)[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)
+    return y0, y1, y2, y3
+
+
+@triton.jit
+def _rotate_q_rows(
+    pid_n, kvh, j,
+    Q, ROT, QOUT, n_tokens, q_scale,
+    stride_qn, stride_qh, stride_qd,
+    stride_rh, stride_rr, stride_rc,
+    stride_on, stride_oh,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROT_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr, ROT_FMA: tl.constexpr,
+):
+    """Block ``pid_n`` of tokens, query head ``kvh * GQA + j``: ``qout = q @ R_K[kvh] * q_scale`` (fp32, natural
+    element order), the rotation of the K rows of the same launch."""
+    D4: tl.constexpr = HEAD_DIM // 4
+    h = kvh * GQA + j
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_tokens
+    col0 = tl.arange(0, D4)  # one group of d: quarter j holds elements j * d/4 + m
+    q_rows = Q + offs_n.to(tl.int64)[:, None] * stride_qn + h * stride_qh
+    y0, y1, y2, y3 = _rotated_quarters(q_rows, mask_n, ROT + (kvh * stride_rh if ROT_PER_HEAD else 0), stride_qd,
+                                       stride_rr, stride_rc, col0, HEAD_DIM, D4, BLOCK_N, D4, True, PRECISION,
+                                       ROT_FMA)
+    o_rows = QOUT + offs_n.to(tl.int64)[:, None] * stride_on + h * stride_oh
+    m2 = mask_n[:, None]
+    tl.store(o_rows + (col0 + 0 * D4)[None, :], y0 * q_scale, mask=m2)
+    tl.store(o_rows + (col0 + 1 * D4)[None, :], y1 * q_scale, mask=m2)
+    tl.store(o_rows + (col0 + 2 * D4)[None, :], y2 * q_scale, mask=m2)
+    tl.store(o_rows + (col0 + 3 * D4)[None, :], y3 * q_scale, mask=m2)
+
+
+@triton.jit
 def _quantize_pack_rows(
     pid_n, h,
     X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC,
@@ -95,40 +164,14 @@ def _quantize_pack_rows(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_tokens
-    offs_d = tl.arange(0, HEAD_DIM)
     offs_m = tl.arange(0, D4)  # byte index within a row
     # element held by byte m in bit plane j: (m // BQ) * GROUP_SIZE + j * BQ + m % BQ
     col0 = (offs_m // BQ) * GROUP_SIZE + offs_m % BQ
 
     x_rows = X + offs_n.to(tl.int64)[:, None] * stride_xn + h * stride_xh
-    if ROTATE and ROT_FMA:  # few rows (a decode step): fp32 multiply-adds on the CUDA cores, KB rows of R at a time
-        KB: tl.constexpr = 32 if HEAD_DIM >= 32 else HEAD_DIM
-        offs_k = tl.arange(0, KB)
-        y0 = tl.zeros([BLOCK_N, D4], tl.float32)
-        y1 = tl.zeros([BLOCK_N, D4], tl.float32)
-        y2 = tl.zeros([BLOCK_N, D4], tl.float32)
-        y3 = tl.zeros([BLOCK_N, D4], tl.float32)
-        for k0 in tl.static_range(0, HEAD_DIM, KB):
-            xk = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xd, mask=mask_n[:, None], other=0.0)
-            xk = xk.to(tl.float32)[:, :, None]
-            r_k = ROT + (h * stride_rh if ROT_PER_HEAD else 0) + (k0 + offs_k)[:, None] * stride_rr
-            y0 += tl.sum(xk * tl.load(r_k + (col0 + 0 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
-            y1 += tl.sum(xk * tl.load(r_k + (col0 + 1 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
-            y2 += tl.sum(xk * tl.load(r_k + (col0 + 2 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
-            y3 += tl.sum(xk * tl.load(r_k + (col0 + 3 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
-    elif ROTATE:
-        x = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=mask_n[:, None], other=0.0).to(tl.float32)
-        r_base = ROT + (h * stride_rh if ROT_PER_HEAD else 0) + offs_d[:, None] * stride_rr
-        y0 = tl.dot(x, tl.load(r_base + (col0 + 0 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
-        y1 = tl.dot(x, tl.load(r_base + (col0 + 1 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
-        y2 = tl.dot(x, tl.load(r_base + (col0 + 2 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
-        y3 = tl.dot(x, tl.load(r_base + (col0 + 3 * BQ)[None, :] * stride_rc), input_precision=PRECISION)
-    else:
-        m2 = mask_n[:, None]
-        y0 = tl.load(x_rows + (col0 + 0 * BQ)[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)
-        y1 = tl.load(x_rows + (col0 + 1 * BQ)[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)
-        y2 = tl.load(x_rows + (col0 + 2 * BQ)[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)
-        y3 = tl.load(x_rows + (col0 + 3 * BQ)[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)
+    y0, y1, y2, y3 = _rotated_quarters(x_rows, mask_n, ROT + (h * stride_rh if ROT_PER_HEAD else 0), stride_xd,
+                                       stride_rr, stride_rc, col0, HEAD_DIM, BQ, BLOCK_N, D4, ROTATE, PRECISION,
+                                       ROT_FMA)
 
     if STORE_BF16:  # the rotated row, natural element order, where bf16_loc >= 0
         brow = tl.load(BLOC + offs_n, mask=mask_n, other=-1).to(tl.int64)
@@ -194,15 +237,26 @@ def _quantize_pack_kv_kernel(
     V_stride_ss, V_stride_sh,
     V_stride_zs, V_stride_zh,
     V_stride_bs, V_stride_bh,
+    Q_X, Q_OUT, q_scale,
+    Q_stride_xn, Q_stride_xh, Q_stride_xd,
+    Q_stride_on, Q_stride_oh,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
     ROT_FMA: tl.constexpr,
-    STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr,
+    STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr, KV_PROGRAMS: tl.constexpr,
+    GQA: tl.constexpr,
 ):
     """K and V of the same tokens in one launch: ``program_id(2)`` 0 writes K, 1 writes V (the two are independent,
     so their programs run side by side instead of one launch after the other). A single write launches it with a
-    grid of depth 1 (the V arguments then repeat the K ones and are never read)."""
-    if tl.program_id(2) == 0:
+    grid of depth 1 (``KV_PROGRAMS = 1``: the V arguments then repeat the K ones and are never read). With queries to
+    rotate (grid depth ``KV_PROGRAMS + GQA``), program ``KV_PROGRAMS + j`` rotates query head ``h * GQA + j`` by
+    ``K_ROT[h]`` into ``Q_OUT``."""
+    if tl.program_id(2) >= KV_PROGRAMS:
+        _rotate_q_rows(tl.program_id(0), tl.program_id(1), tl.program_id(2) - KV_PROGRAMS, Q_X, K_ROT, Q_OUT,
+                       K_n_tokens, q_scale, Q_stride_xn, Q_stride_xh, Q_stride_xd, K_stride_rh, K_stride_rr,
+                       K_stride_rc, Q_stride_on, Q_stride_oh, GQA=GQA, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
+                       ROT_PER_HEAD=ROT_PER_HEAD, PRECISION=PRECISION, ROT_FMA=ROT_FMA)
+    elif tl.program_id(2) == 0:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC,
                             K_BF16, K_BLOC, K_n_tokens, K_clip_ratio, K_scale_eps, K_stride_xn, K_stride_xh,
                             K_stride_xd, K_stride_rh, K_stride_rr, K_stride_rc, K_stride_cs, K_stride_ch, K_stride_ss,
@@ -308,13 +362,34 @@ def quantize_pack(
     _launch(x.shape, args, args, meta, block_n, num_warps)
 
 
-def _launch(shape, ka: list, va: list, meta: dict, block_n: int, num_warps: int) -> None:
+def _launch(shape, ka: list, va: list, meta: dict, block_n: int, num_warps: int, qa: list | None = None,
+            gqa: int = 1) -> None:
     """One launch over ``[N, Hkv, d]`` rows: K programs, and V programs unless ``va`` is ``ka`` (a single write
-    repeats its arguments and gets a grid of depth 1)."""
+    repeats its arguments and gets a grid of depth 1); with ``qa`` (:func:`_q_args`) also the ``gqa`` query heads of
+    each KV head, rotated by the K rotation (``gqa`` more programs per block and head)."""
     n, hkv, _ = shape
     if n:
-        grid = (triton.cdiv(n, block_n), hkv, 1 if va is ka else 2)
-        _quantize_pack_kv_kernel[grid](*ka, *va, BLOCK_N=block_n, **meta, num_warps=num_warps)
+        kv_programs = 1 if va is ka else 2
+        if qa is None:
+            qa, gqa = [ka[0], ka[0], 1.0, 0, 0, 0, 0, 0], 0  # never read
+        grid = (triton.cdiv(n, block_n), hkv, kv_programs + gqa)
+        _quantize_pack_kv_kernel[grid](*ka, *va, *qa, BLOCK_N=block_n, **meta, KV_PROGRAMS=kv_programs,
+                                       GQA=max(gqa, 1), num_warps=num_warps)
+
+
+def _q_args(q: torch.Tensor, q_out: torch.Tensor, q_scale: float, k: torch.Tensor, rot_k: torch.Tensor | None) -> \
+        tuple[list, int]:
+    """Checked arguments of the query rotation that shares a K/V write's launch: (list, GQA)."""
+    n, hkv, d = k.shape
+    if rot_k is None:
+        raise ValueError("rotating queries in the write needs rot_k")
+    if q.dim() != 3 or q.shape[0] != n or q.shape[2] != d or q.shape[1] % hkv or q.dtype not in (
+            torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q must be bf16/fp16/fp32 [{n}, a multiple of {hkv}, {d}], got {q.dtype} {tuple(q.shape)}")
+    if q_out is None or q_out.shape != q.shape or q_out.dtype != torch.float32 or q_out.stride(-1) != 1 \
+            or q_out.device != q.device:
+        raise ValueError(f"q_out must be fp32 {tuple(q.shape)} on {q.device} with a contiguous last dim")
+    return [q, q_out, float(q_scale), *q.stride(), q_out.stride(0), q_out.stride(1)], q.shape[1] // hkv
 
 
 def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
@@ -362,13 +437,22 @@ def quantize_pack_kv(
     block_n: int = DEFAULT_BLOCK_N,
     rot_precision: str = DEFAULT_ROT_PRECISION,
     num_warps: int = DEFAULT_WARPS,
+    q: torch.Tensor | None = None,
+    q_out: torch.Tensor | None = None,
+    q_scale: float = 1.0,
 ) -> None:
     """:func:`quantize_pack` of the K and the V rows of the same tokens in one launch (grid ``[blocks, Hkv, 2]``).
 
     ``k_slots``/``v_slots``: ``(codes, scale, zero)`` of each (or ``None`` for exact rows only), ``bf16_out``:
     ``(k_rows, v_rows)``; the rest as :func:`quantize_pack`, per K and V where named so. Results equal two
     :func:`quantize_pack` calls. When K and V differ in what the kernel is compiled for (one rotated and the other
-    not, per-head clips for one only, ...), it makes those two launches instead."""
+    not, per-head clips for one only, ...), it makes those two launches instead.
+
+    With ``q`` (bf16/fp16/fp32 ``[N, Hq, d]``, the queries of the same tokens, ``Hq`` a multiple of ``Hkv``) the same
+    launch also writes ``q_out[n, h] = q[n, h] @ rot_k[h // (Hq / Hkv)] * q_scale`` (fp32 ``[N, Hq, d]``, contiguous
+    last dim; grid ``[blocks, Hkv, 2 + Hq / Hkv]``), rotated as the K rows are (``rot_precision``): what a decode
+    step's attention reads (:func:`rotate_q_ref` is the definition). A decode step thereby pays one launch for its
+    writes and its query rotation."""
     if v.shape != k.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     ko, vo = bf16_out if bf16_out is not None else (None, None)
@@ -376,11 +460,21 @@ def quantize_pack_kv(
                           rot_precision)
     va, vm = _launch_args(v, rot_v, clip_v, *(v_slots or (None, None, None)), out_cache_loc, group_size, vo, bf16_loc,
                           rot_precision)
+    qa, gqa = _q_args(q, q_out, q_scale, k, rot_k) if q is not None else (None, 1)
     if km == vm:
-        _launch(k.shape, ka, va, km, block_n, num_warps)
+        _launch(k.shape, ka, va, km, block_n, num_warps, qa, gqa)
     else:
-        _launch(k.shape, ka, ka, km, block_n, num_warps)
+        _launch(k.shape, ka, ka, km, block_n, num_warps, qa, gqa)
         _launch(k.shape, va, va, vm, block_n, num_warps)
+
+
+def rotate_q_ref(q: torch.Tensor, rot_k: torch.Tensor, q_scale: float = 1.0) -> torch.Tensor:
+    """Plain fp32 torch definition of the query rotation of :func:`quantize_pack_kv`: q ``[N, Hq, d]``, rot_k fp32
+    ``[Hkv or 1, d, d]`` -> fp32 ``[N, Hq, d]``."""
+    n, hq, d = q.shape
+    gqa = hq // rot_k.shape[0] if rot_k.shape[0] > 1 else hq
+    rk = rot_k.float().repeat_interleave(gqa, 0) if rot_k.shape[0] > 1 else rot_k.float().expand(hq, d, d)
+    return torch.einsum("nhd,hde->nhe", q.float(), rk.to(q.device)) * q_scale
 
 
 def quantize_pack_ref(

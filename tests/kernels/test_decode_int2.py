@@ -117,6 +117,51 @@ def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
         decode_int2(q, lists.cache, index, merge_chunk=3)
 
 
+@pytest.mark.parametrize("knobs", [dict(prefetch=True), dict(early_v=True), dict(prefetch=True, early_v=True),
+                                   dict(merge_cols=32), dict(merge_cols=16, prefetch=True)])
+def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
+    """The row-scale kernel's slot prefetch and early value loads, and the merge split over output columns, give the
+    reference answer (ragged lengths, per-sequence split counts, NaN-poisoned workspace and out); the general path
+    takes the merge knob too (g = 32)."""
+    gen = torch.Generator().manual_seed(211 + len(knobs) + knobs.get("merge_cols", 0))
+    for g in (128, 32):
+        if g == 32 and set(knobs) != {"merge_cols"}:
+            continue
+        lists = make_cache(INT2_LENS, BF16_LENS, HKV, 128, g, gen)
+        q = (torch.randn(len(INT2_LENS), HKV * 4, 128, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+        index = lists.index(SPLITS, MAX_SPLITS)
+        out = torch.full(q.shape, float("nan"), device=DEVICE)
+        decode_int2(q, lists.cache, index, workspace=_poisoned_workspace(q.shape[0], q.shape[1], 128, MAX_SPLITS),
+                    out=out, **knobs)
+        ref = decode_int2_ref(q, lists.cache, index)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, **TOL)
+        assert rel_err(out, ref) <= MAX_REL
+    with pytest.raises(ValueError, match="merge_cols must be a power of two"):
+        decode_int2(q, lists.cache, index, merge_cols=48)
+
+
+def test_decode_reads_a_prerotated_query_from_the_workspace():
+    """``rotate_q=False``: the attention reads ``q_rot`` as the caller left it (here the reference rotation,
+    scaled), so the answer equals the default's; a poisoned ``q_rot`` poisons the output (it really is read)."""
+    from oscar_kernels.decode_int2 import LOG2E
+    from oscar_kernels.quantize_pack import rotate_q_ref
+
+    gen = torch.Generator().manual_seed(223)
+    d, gqa = 128, 4
+    lists = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen)
+    q = (torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    index = lists.index(SPLITS, MAX_SPLITS)
+    ws = _poisoned_workspace(q.shape[0], q.shape[1], d, MAX_SPLITS)
+    ws[2].copy_(rotate_q_ref(q, lists.cache.rot_k, LOG2E / math.sqrt(d)))
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    decode_int2(q, lists.cache, index, workspace=ws, out=out, rotate_q=False)
+    torch.testing.assert_close(out, decode_int2_ref(q, lists.cache, index), **TOL)
+    ws[2].fill_(float("nan"))
+    decode_int2(q, lists.cache, index, workspace=ws, out=out, rotate_q=False)
+    assert torch.isnan(out).all()
+
+
 def test_decode_rejects_bad_shapes():
     gen = torch.Generator().manual_seed(3)
     lists = make_cache([4], [2], 2, 64, 64, gen)

@@ -89,19 +89,31 @@ CASES = [  # scheme, hkv, gqa, d, prefill lengths, starts
 ]
 
 
-@pytest.mark.parametrize("case,write", [(c, "default") for c in range(len(CASES))] + [(0, "fma")])
+DECODE_VARIANTS = {
+    "default": {},
+    "fma": dict(write_tuning=dict(rot_precision="fma", block_n=1, num_warps=1)),
+    "tf32x3-write": dict(write_tuning={}),
+    "unfused": dict(fuse_q_rotation=False),
+    "knobs": dict(prefetch=True, early_v=True, merge_cols=32),
+}
+
+
+@pytest.mark.parametrize("case,write", [(c, "default") for c in range(len(CASES))]
+                         + [(0, "fma"), (1, "tf32x3-write"), (1, "unfused"), (1, "knobs")])
 def test_prefill_then_decode_matches_design_p(case, write):
     """One extend over three requests (scattered slots, request order != pool order, left padding), then decode steps
     on the SAME plan buffers with new lengths each step (ring wrap-around included): every output is Design P. The
-    "fma" case writes the decode tokens through the CUDA-core rotation (``write_tuning``)."""
+    queries are rotated in the write's launch by default; "unfused" rotates them in the attention's own launch;
+    "fma" / "tf32x3-write" write the decode tokens (and rotate the queries) through the CUDA-core / tensor-core
+    rotation (``write_tuning``); "knobs" turns on the decode kernel's prefetch, early value loads and a merge split
+    over output columns."""
     scheme, hkv, gqa, d, lens, start = CASES[case]
     steps = 3
     eng = Engine(scheme, hkv, gqa, d, reqs=4, max_ctx=max(lens) + steps, seed=10 + case)
     reqs = [2, 0, 3]
     ext = ExtendPlan(eng.pool, 4, sum(lens), eng.max_ctx, **EXTEND_BLOCKS)
     _close(*eng.extend(ext, reqs, [0, 0, 0], lens, start))
-    wt = dict(rot_precision="fma", block_n=1, num_warps=1) if write == "fma" else None
-    dec = DecodePlan(eng.pool, 4, eng.max_ctx, q_heads=eng.hq, write_tuning=wt, **SPLITS)
+    dec = DecodePlan(eng.pool, 4, eng.max_ctx, q_heads=eng.hq, **DECODE_VARIANTS[write], **SPLITS)
     ptrs = None
     for s in range(steps):
         n = [x + 1 + s for x in lens]

@@ -252,3 +252,42 @@ def test_unknown_rotation_precision_is_refused():
         quantize_pack(x, random_rotation(hkv, d, gen), 1.0, codes, scale, zero,
                       torch.arange(3, device=DEVICE), rot_precision="bf16")
 
+
+
+@pytest.mark.parametrize("case", ["same", "mixed", "shared-rot"])
+def test_kv_write_rotates_the_queries_in_the_same_launch(case):
+    """With ``q``, ``quantize_pack_kv`` also writes ``q @ rot_k[h // gqa] * q_scale`` in fp32 (``rotate_q_ref``) into
+    a NaN-poisoned strided ``q_out``, every element and nothing else, and the K/V writes are unchanged ("mixed": K and
+    V compile apart, the queries ride on the K launch; "shared-rot": one rotation for every head)."""
+    from oscar_kernels import quantize_pack_kv
+    from oscar_kernels.quantize_pack import rotate_q_ref
+
+    d, hkv, gqa, g = 64, 2, 3, 64
+    gen = torch.Generator().manual_seed(131 + len(case))
+    n, slots = 5, 11
+    k, v = _x(n, hkv, d, gen, torch.bfloat16), _x(n, hkv, d, gen, torch.bfloat16)
+    q = _x(n, hkv * gqa, d, gen, torch.bfloat16)
+    rk, rv = random_rotation(1 if case == "shared-rot" else hkv, d, gen), random_rotation(hkv, d, gen)
+    ck, cv = torch.tensor([0.9, 0.7], device=DEVICE), (0.85 if case == "mixed" else torch.tensor([0.8, 1.0],
+                                                                                                    device=DEVICE))
+    loc = torch.randperm(slots, generator=gen)[:n].to(DEVICE)
+    pools = [_pools(slots, hkv, d, g, gen) for _ in range(2)]
+    want = [tuple(t.clone() for t in p) for p in pools]
+    big = torch.full((n, hkv * gqa, 2 * d), float("nan"), device=DEVICE)
+    q_out = big[:, :, :d]
+    quantize_pack_kv(k, v, rk, rv, ck, cv, pools[0], pools[1], loc, g, q=q, q_out=q_out, q_scale=0.37,
+                     block_n=1, rot_precision="fma", num_warps=1)
+    quantize_pack(k, rk, ck, *want[0], loc, g)
+    quantize_pack(v, rv, cv, *want[1], loc, g)
+    for got, exp in zip([*pools[0], *pools[1]], [*want[0], *want[1]], strict=True):
+        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.uint8 else got,
+                           exp.view(torch.uint8) if exp.dtype != torch.uint8 else exp)
+    assert torch.isfinite(q_out).all() and torch.isnan(big[:, :, d:]).all()
+    ref = rotate_q_ref(q, rk, 0.37)
+    torch.testing.assert_close(q_out, ref, **(dict(atol=1e-4, rtol=1e-4) if ON_GPU else dict(atol=1e-5, rtol=1e-5)))
+    with pytest.raises(ValueError, match="q_out must be fp32"):
+        quantize_pack_kv(k, v, rk, rv, ck, cv, pools[0], pools[1], loc, g, q=q, q_out=q_out.bfloat16())
+    with pytest.raises(ValueError, match="q must be"):
+        quantize_pack_kv(k, v, rk, rv, ck, cv, pools[0], pools[1], loc, g, q=q[:, :5], q_out=q_out[:, :5])
+    with pytest.raises(ValueError, match="needs rot_k"):
+        quantize_pack_kv(k, v, None, rv, ck, cv, pools[0], pools[1], loc, g, q=q, q_out=q_out)
