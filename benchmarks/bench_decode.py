@@ -1,6 +1,7 @@
 """Decode on Qwen3-8B shapes: INT2 (``DecodePlan``) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
 
-Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge] [--results benchmarks/RESULTS.md]
+Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge | --variants]
+[--results benchmarks/RESULTS.md]
 Prints a table (median µs, GB/s on the bytes the attention reads, ratio to the best BF16 backend measured in the same
 run, fraction of the copy bandwidth measured in the same run) and appends it to RESULTS.md with the date, device,
 commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is planned by ``DecodePlan`` over an
@@ -186,6 +187,80 @@ def merge_table(gen, results: str, commit: str) -> None:
                    "median; `splits`: the plan's default count, and twice it (grid and workspace sized for it).", table)
 
 
+STEP_SHAPES = [(1, 8192, 16), (1, 32768, 8), (1, 100000, 4), (16, 131072, 1), (32, 32768, 1), (50, 100000, 1)]
+"""(batch, context, layers) of the ``--variants`` table: enough layers that one step's INT2 data (~58 MB per layer
+at bs1/100k) is at least twice the H200's 50 MB L2, so every layer reads its codes from HBM, as in a model."""
+STEP_VARIANTS = [
+    ("query rotation in its own launch", dict(fuse_q_rotation=False)),
+    ("default", {}),
+    ("prefetch", dict(prefetch=True)),
+    ("prefetch + early V", dict(prefetch=True, early_v=True)),
+    ("merge cols 64", dict(merge_cols=64)),
+    ("merge cols 32", dict(merge_cols=32)),
+    ("prefetch, merge cols 32", dict(prefetch=True, merge_cols=32)),
+    ("prefetch, 2048 programs, maxnreg 128", dict(prefetch=True, min_programs=2048, max_registers=128)),
+    ("prefetch, 1536 programs, maxnreg 168", dict(prefetch=True, min_programs=1536, max_registers=168)),
+    ("prefetch, block_n 64", dict(prefetch=True, block_n=64)),
+]
+"""``DecodePlan`` keyword arguments timed by ``--variants`` against the defaults (and the step before the query
+rotation moved into the write's launch)."""
+
+
+class StepCase:
+    """``bs`` sequences of ``ctx`` tokens in a pool of ``layers`` layers (random codes and exact rows), and one
+    decode step over all of them: ``DecodePlan.run`` per layer, the write and attention SGLang runs per layer."""
+
+    def __init__(self, bs: int, ctx: int, layers: int, gen: torch.Generator):
+        self.bs, self.ctx, self.layers = bs, ctx, layers
+        rot = torch.linalg.qr(torch.randn(2, layers, HKV, D, D, device=DEV, generator=gen))[0].contiguous()
+        self.pool = Int2KVPool(QuantScheme(group=0, sink=SINK, recent=RECENT), layers, HKV, D, bs * ctx, bs,
+                               rot[0], rot[1], device=DEV)
+        for i in range(layers):
+            fill_random(self.pool.layer(i), gen)
+        self.req_to_token = torch.arange(bs * ctx, device=DEV, dtype=torch.int32).view(bs, ctx)
+        self.q = torch.randn(bs, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        self.k = torch.randn(bs, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        self.v = torch.randn(bs, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        self.out = torch.empty_like(self.q)
+
+    def step(self, **plan_kw):
+        plan = DecodePlan(self.pool, self.bs, self.ctx, q_heads=HQ, **plan_kw)
+        plan.plan(self.req_to_token, torch.arange(self.bs, device=DEV), torch.full((self.bs,), self.ctx, device=DEV),
+                  self.req_to_token[:, self.ctx - 1].contiguous())
+
+        def fn():
+            for i in range(self.layers):
+                plan.run(i, self.q, self.k, self.v, out=self.out)
+        return fn, plan.index.max_splits
+
+
+def variants_table(gen, results: str, commit: str) -> None:
+    """Per-layer time of a decode step (``DecodePlan.run``: K/V write + attention) under each of
+    :data:`STEP_VARIANTS`, over :data:`STEP_SHAPES`; one table, appended to RESULTS.md."""
+    head = ["variant", *[f"bs{bs}/{ctx // 1000}k µs" for bs, ctx, _ in STEP_SHAPES]]
+    cols: list[list[str]] = []
+    for bs, ctx, layers in STEP_SHAPES:
+        case = StepCase(bs, ctx, layers, gen)
+        col = []
+        for name, kw in STEP_VARIANTS:
+            fn, splits = case.step(**kw)
+            t = graph_us(fn) / layers
+            col.append(f"{t:.1f} ({splits})")
+            print(f"bs{bs} ctx{ctx} {name}: {t:.1f} µs per layer, grid bound {splits} splits", flush=True)
+        cols.append(col)
+        del case
+        torch.cuda.empty_cache()
+    rows = [[name, *[c[i] for c in cols]] for i, (name, _) in enumerate(STEP_VARIANTS)]
+    table = markdown_table(head, rows)
+    print(table)
+    append_section(results, "Decode step variants, per layer", torch.cuda.get_device_name(), commit,
+                   "`DecodePlan.run` (the new token's K/V write, with the query rotation in the same launch unless "
+                   "said otherwise, then the attention) over every layer of a pool of several layers (each step's "
+                   "INT2 data at least twice the L2), CUDA-graph replay median divided by the layers; Qwen3-8B shapes "
+                   f"(32 q / 8 KV heads, d 128), INT2 g = d, sink {SINK}, recent {RECENT}; in brackets the plan's split "
+                   "bound for the batch.", table)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--commit", default=None, help="commit recorded in RESULTS.md (default: git rev-parse HEAD)")
@@ -194,6 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sweep-only", action="store_true", help="sweep, then stop (no table, nothing appended)")
     ap.add_argument("--layouts", action="store_true", help="compare slot-major and head-major pools, then stop")
     ap.add_argument("--merge", action="store_true", help="time the merge variants, append their table, then stop")
+    ap.add_argument("--variants", action="store_true",
+                    help="time a decode step per layer under each DecodePlan variant, append the table, then stop")
     ap.add_argument("--label", default="DecodePlan defaults")
     return ap.parse_args(argv)
 
@@ -217,6 +294,9 @@ def main() -> None:
         return
     if args.merge:
         merge_table(gen, args.results, commit)
+        return
+    if args.variants:
+        variants_table(gen, args.results, commit)
         return
     if args.sweep or args.sweep_only:
         sweep(gen, [(1, 8192), (1, 131072), (8, 32768), (16, 131072)])

@@ -6,6 +6,7 @@
 #   tests      the kernel tests at their GPU sizes (tests/kernels, tests/test_cache_kernels.py)
 #   writes     bench_quantize_pack.py --decode     (a decode step's K/V writes)
 #   decode     bench_decode.py                     (DecodePlan vs cuDNN / flash BF16)
+#   variants   bench_decode.py --variants          (a decode step per layer under each DecodePlan variant)
 #   extend     bench_extend.py --sweep             (chunked prefill vs SDPA BF16)
 #   cache      bench_cache.py                      (OscarCache vs DynamicCache; --random-weights without weights)
 #   calib      bench_calibration.py                (collect + fit at Qwen3-8B shapes; needs duckdb)
@@ -52,10 +53,11 @@ trap 'cp benchmarks/RESULTS.md "$OUT/RESULTS.md"' EXIT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 for s in $steps; do
   case $s in
-    tests) run tests python3 -m pytest -q -p no:cacheprovider -rfE $(has xdist && echo "-n 8") tests/kernels \
-             tests/test_cache_kernels.py ;;
+    tests) run tests python3 -m pytest -q -p no:cacheprovider -rfE -m "not slow" $(has xdist && echo "-n 8") \
+             tests/kernels tests/test_cache_kernels.py ;;
     writes) run writes python3 benchmarks/bench_quantize_pack.py --decode ;;
     decode) run decode python3 benchmarks/bench_decode.py ;;
+    variants) run variants python3 benchmarks/bench_decode.py --variants ;;
     extend) run extend python3 benchmarks/bench_extend.py --sweep ;;
     cache)
       if [ -z "${MODEL_DIR:-}" ]; then echo "== cache: skipped (no MODEL_DIR)"; continue; fi
@@ -68,6 +70,6 @@ for s in $steps; do
       if ! has duckdb || [ -z "${MODEL_DIR:-}" ] || [ ! -f "$MODEL_DIR/model.safetensors" ] || [ -z "${ARTIFACT:-}" ]; then
         echo "== ppl: skipped (needs duckdb, MODEL_DIR with its weights and ARTIFACT)"
       else run ppl bash benchmarks/eval_gpu.sh "$MODEL_DIR" "$ARTIFACT" "$OUT/store" "$OUT/ppl"; fi ;;
-    *) echo "unknown step $s (tests writes decode extend cache calib ppl)" >&2; exit 2 ;;
+    *) echo "unknown step $s (tests writes decode variants extend cache calib ppl)" >&2; exit 2 ;;
   esac
 done
