@@ -190,6 +190,14 @@ def merge_table(gen, results: str, commit: str) -> None:
 STEP_SHAPES = [(1, 8192, 16), (1, 32768, 8), (1, 100000, 4), (16, 131072, 1), (32, 32768, 1), (50, 100000, 1)]
 """(batch, context, layers) of the ``--variants`` table: enough layers that one step's INT2 data (~58 MB per layer
 at bs1/100k) is at least twice the H200's 50 MB L2, so every layer reads its codes from HBM, as in a model."""
+STEP_VARIANTS_LONG_RECENT = [
+    ("default", {}),
+    ("no prefetch", dict(prefetch=False)),
+    ("merge cols 128", dict(merge_cols=128)),
+    ("exact tile 64", dict(block_nb=64)),
+    ("exact tile 16", dict(block_nb=16)),
+]
+"""``--variants --recent 256`` (the window the SGLang runs use): the exact split covers ``sink + recent`` rows."""
 STEP_VARIANTS = [
     ("query rotation in its own launch", dict(fuse_q_rotation=False)),
     ("default", {}),
@@ -234,9 +242,10 @@ class StepCase:
         return fn, plan.index.max_splits
 
 
-def variants_table(gen, results: str, commit: str) -> None:
-    """Per-layer time of a decode step (``DecodePlan.run``: K/V write + attention) under each of
-    :data:`STEP_VARIANTS`, over :data:`STEP_SHAPES`; one table, appended to RESULTS.md."""
+def variants_table(gen, results: str, commit: str, variants=None) -> None:
+    """Per-layer time of a decode step (``DecodePlan.run``: K/V write + attention) under each of ``variants``
+    (default :data:`STEP_VARIANTS`), over :data:`STEP_SHAPES`; one table, appended to RESULTS.md."""
+    STEP_VARIANTS = variants or globals()["STEP_VARIANTS"]
     head = ["variant", *[f"bs{bs}/{ctx // 1000}k µs" for bs, ctx, _ in STEP_SHAPES]]
     cols: list[list[str]] = []
     for bs, ctx, layers in STEP_SHAPES:
@@ -272,6 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", action="store_true",
                     help="time a decode step per layer under each DecodePlan variant, append the table, then stop")
     ap.add_argument("--label", default="DecodePlan defaults")
+    ap.add_argument("--recent", type=int, default=RECENT,
+                    help=f"exact recent window of the pools (default {RECENT}; with --variants, 256 times the "
+                         "exact-split variants instead)")
     return ap.parse_args(argv)
 
 
@@ -296,7 +308,9 @@ def main() -> None:
         merge_table(gen, args.results, commit)
         return
     if args.variants:
-        variants_table(gen, args.results, commit)
+        global RECENT
+        RECENT = args.recent
+        variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT if RECENT > 64 else None)
         return
     if args.sweep or args.sweep_only:
         sweep(gen, [(1, 8192), (1, 131072), (8, 32768), (16, 131072)])

@@ -126,16 +126,25 @@ MERGE_WARPS = 4
 """Merge: warps per program (not swept)."""
 MERGE_ROT_ROWS = 64
 """Merge: output columns per piece of the ``R_V^T`` product (bounds the registers of the loaded rows)."""
-MERGE_COLS = 128
-"""Merge: output columns per program (``decode_int2(merge_cols=...)``; ``min(d, MERGE_COLS)``): ``d / cols``
-programs per (sequence, query head), each merging the whole ``o'`` and rotating its columns. 128 (one program per
-head at d = 128) is what every measurement up to commit 8d049a4 ran; ``bench_decode.py --bs1`` times 64 and 32."""
-ROWS_PREFETCH = False
+MERGE_MIN_PROGRAMS = 128
+"""Merge: programs aimed for (about one per SM). Each (sequence, query head) gets ``d / cols`` programs, ``cols`` the
+largest power of two in ``[MERGE_MIN_COLS, d]`` with ``B * Hq * d / cols >= MERGE_MIN_PROGRAMS``; each merges the
+whole ``o'`` (the partials are read from L2 that many times) and rotates its columns. Measured on an H200
+(``bench_decode.py --variants``, commit 154a6a4, a decode step per layer, Qwen3-8B shapes): bs1 (32 heads) at 32
+columns / 64 / 128: 26.8 / 27.1 / 28.5 µs at 8k, 32.7 / 33.6 / 35.4 at 32k, 58.5 / 59.8 / 62.6 at 100k; from bs16 on
+one program per head (128 columns) was level or best (bs32/32k 316.8 vs 320.3 at 64 and 326.6 at 32; bs50/100k
+1305.9 vs 1311.5 and 1330.8)."""
+MERGE_MIN_COLS = 32
+"""Merge: fewest output columns per program (the smallest measured)."""
+ROWS_PREFETCH = True
 """Row-scale path: load the next tile's slot indices one iteration ahead (``decode_int2(prefetch=...)``), so a
-tile's code loads wait on one memory latency instead of two. ``bench_decode.py --bs1`` times it."""
+tile's code loads wait on one memory latency instead of two. Measured on an H200 (``bench_decode.py --variants``,
+commit 154a6a4, per layer of a decode step): bs1/100k 61.3 µs vs 62.6 without; bs1/8k 29.0 vs 28.5, bs16/128k
+579.5 vs 580.0, bs50/100k 1302.1 vs 1305.9 (level). Costs no registers (248 either way at d = 128)."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
-(``decode_int2(early_v=...)``) instead of after the scores; costs registers. ``bench_decode.py --bs1`` times it."""
+(``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
+bs1/100k 67.7 µs vs 61.3 with prefetch alone, bs50/100k 1493 vs 1302; it spills under the 168-register cap)."""
 
 F16_MAGIC = tl.constexpr(1024.0)
 """fp16 1024: OR-ing a code ``c < 1024`` into its mantissa gives exactly ``1024 + c`` (the PTX unpacks)."""
@@ -829,6 +838,14 @@ def decode_index(cache: LayerCache, kv_indptr: torch.Tensor, kv_indices: torch.T
                        policy.num_splits(kv_indptr[1:] - kv_indptr[:-1]), policy.max_splits)
 
 
+def merge_columns(heads: int, head_dim: int) -> int:
+    """Output columns per merge program for ``heads = B * Hq`` merged heads (see ``MERGE_MIN_PROGRAMS``)."""
+    cols = triton.next_power_of_2(head_dim)
+    while cols > MERGE_MIN_COLS and heads * triton.cdiv(head_dim, cols) < MERGE_MIN_PROGRAMS:
+        cols //= 2
+    return min(cols, head_dim)
+
+
 def decode_workspace(batch: int, q_heads: int, head_dim: int, max_splits: int,
                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scratch for :func:`decode_int2` (pass it to reuse buffers, e.g. inside a CUDA graph):
@@ -853,10 +870,11 @@ def decode_int2(
     row_kernel: bool | None = None,
     max_registers: int | None = None,
     merge_chunk: int = MERGE_SPLIT_CHUNK,
-    merge_cols: int = MERGE_COLS,
+    merge_cols: int | None = None,
     prefetch: bool = ROWS_PREFETCH,
     early_v: bool = ROWS_EARLY_V,
     rotate_q: bool = True,
+    block_nb: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -876,9 +894,11 @@ def decode_int2(
         max_registers: register cap per thread of the row-scale split kernel (Triton's ``maxnreg``; default
             ``ROWS_MAX_REGISTERS`` from ``ROWS_CAPPED_PROGRAMS`` launched split programs on, else none; 0 for none).
         merge_chunk: INT2 partials the merge reads per step, a power of two (``MERGE_SPLIT_CHUNK``).
-        merge_cols: output columns per merge program, a power of two (``MERGE_COLS``; at most ``d``).
+        merge_cols: output columns per merge program, a power of two (at most ``d``; default
+            :func:`merge_columns`).
         prefetch, early_v: row-scale path: load the next tile's slots one iteration ahead (``ROWS_PREFETCH``); issue
             the value tile's loads with the key tile's (``ROWS_EARLY_V``).
+        block_nb: exact rows per tile of the exact split (``BF16_BLOCK_N``).
         rotate_q: ``False``: the workspace's ``q_rot`` already holds ``q @ R_K * sm_scale * log2(e)`` (fp32, e.g.
             written by the step's K/V write launch, as :meth:`~oscar_kernels.plan.DecodePlan.run` does), so the
             query rotation launch is skipped; ``q`` then only gives the shapes and the output dtype.
@@ -893,6 +913,8 @@ def decode_int2(
     index.check(bsz)
     if merge_chunk < 1 or merge_chunk & (merge_chunk - 1):
         raise ValueError(f"merge_chunk must be a power of two >= 1, got {merge_chunk}")
+    if merge_cols is None:
+        merge_cols = merge_columns(bsz * hq, d)
     if merge_cols < 1 or merge_cols & (merge_cols - 1):
         raise ValueError(f"merge_cols must be a power of two >= 1, got {merge_cols}")
     gqa = hq // hkv
@@ -941,7 +963,7 @@ def decode_int2(
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             GQA=gqa, BLOCK_H=max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d,
-            BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=BF16_BLOCK_N,
+            BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=block_nb or BF16_BLOCK_N,
             MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
             BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
             PREFETCH=bool(prefetch), EARLY_V=bool(early_v),
@@ -967,7 +989,7 @@ def decode_int2(
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             GQA=gqa, BLOCK_H=max(GENERAL_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d, GROUP_SIZE=g,
-            BLOCK_N=block_n or DEFAULT_BLOCK_N, BLOCK_NB=BF16_BLOCK_N,
+            BLOCK_N=block_n or DEFAULT_BLOCK_N, BLOCK_NB=block_nb or BF16_BLOCK_N,
             QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
             PTX_UNPACK=bool(ptx_unpack),
             num_warps=num_warps, num_stages=num_stages or GENERAL_STAGES,

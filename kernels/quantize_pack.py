@@ -244,19 +244,14 @@ def _quantize_pack_kv_kernel(
     ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
     ROT_FMA: tl.constexpr,
     STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr, KV_PROGRAMS: tl.constexpr,
-    GQA: tl.constexpr,
+    ROTATE_Q: tl.constexpr, GQA: tl.constexpr,
 ):
     """K and V of the same tokens in one launch: ``program_id(2)`` 0 writes K, 1 writes V (the two are independent,
     so their programs run side by side instead of one launch after the other). A single write launches it with a
     grid of depth 1 (``KV_PROGRAMS = 1``: the V arguments then repeat the K ones and are never read). With queries to
     rotate (grid depth ``KV_PROGRAMS + GQA``), program ``KV_PROGRAMS + j`` rotates query head ``h * GQA + j`` by
     ``K_ROT[h]`` into ``Q_OUT``."""
-    if tl.program_id(2) >= KV_PROGRAMS:
-        _rotate_q_rows(tl.program_id(0), tl.program_id(1), tl.program_id(2) - KV_PROGRAMS, Q_X, K_ROT, Q_OUT,
-                       K_n_tokens, q_scale, Q_stride_xn, Q_stride_xh, Q_stride_xd, K_stride_rh, K_stride_rr,
-                       K_stride_rc, Q_stride_on, Q_stride_oh, GQA=GQA, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
-                       ROT_PER_HEAD=ROT_PER_HEAD, PRECISION=PRECISION, ROT_FMA=ROT_FMA)
-    elif tl.program_id(2) == 0:
+    if tl.program_id(2) == 0:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC,
                             K_BF16, K_BLOC, K_n_tokens, K_clip_ratio, K_scale_eps, K_stride_xn, K_stride_xh,
                             K_stride_xd, K_stride_rh, K_stride_rr, K_stride_rc, K_stride_cs, K_stride_ch, K_stride_ss,
@@ -264,7 +259,7 @@ def _quantize_pack_kv_kernel(
                             HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
                             ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
                             ROT_FMA=ROT_FMA, STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
-    else:
+    elif tl.program_id(2) < KV_PROGRAMS:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC,
                             V_BF16, V_BLOC, V_n_tokens, V_clip_ratio, V_scale_eps, V_stride_xn, V_stride_xh,
                             V_stride_xd, V_stride_rh, V_stride_rr, V_stride_rc, V_stride_cs, V_stride_ch, V_stride_ss,
@@ -272,6 +267,11 @@ def _quantize_pack_kv_kernel(
                             HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
                             ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
                             ROT_FMA=ROT_FMA, STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
+    elif ROTATE_Q:  # a static branch: the query programs are compiled only when there are queries
+        _rotate_q_rows(tl.program_id(0), tl.program_id(1), tl.program_id(2) - KV_PROGRAMS, Q_X, K_ROT, Q_OUT,
+                       K_n_tokens, q_scale, Q_stride_xn, Q_stride_xh, Q_stride_xd, K_stride_rh, K_stride_rr,
+                       K_stride_rc, Q_stride_on, Q_stride_oh, GQA=GQA, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
+                       ROT_PER_HEAD=ROT_PER_HEAD, PRECISION=PRECISION, ROT_FMA=ROT_FMA)
 
 
 def _check_clip(clip: float | torch.Tensor | None, hkv: int) -> float | torch.Tensor:
@@ -370,11 +370,12 @@ def _launch(shape, ka: list, va: list, meta: dict, block_n: int, num_warps: int,
     n, hkv, _ = shape
     if n:
         kv_programs = 1 if va is ka else 2
-        if qa is None:
+        rotate_q = qa is not None
+        if not rotate_q:
             qa, gqa = [ka[0], ka[0], 1.0, 0, 0, 0, 0, 0], 0  # never read
         grid = (triton.cdiv(n, block_n), hkv, kv_programs + gqa)
         _quantize_pack_kv_kernel[grid](*ka, *va, *qa, BLOCK_N=block_n, **meta, KV_PROGRAMS=kv_programs,
-                                       GQA=max(gqa, 1), num_warps=num_warps)
+                                       ROTATE_Q=rotate_q, GQA=max(gqa, 1), num_warps=num_warps)
 
 
 def _q_args(q: torch.Tensor, q_out: torch.Tensor, q_scale: float, k: torch.Tensor, rot_k: torch.Tensor | None) -> \

@@ -118,14 +118,14 @@ def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
 
 
 @pytest.mark.parametrize("knobs", [dict(prefetch=True), dict(early_v=True), dict(prefetch=True, early_v=True),
-                                   dict(merge_cols=32), dict(merge_cols=16, prefetch=True)])
+                                   dict(merge_cols=32), dict(merge_cols=16, prefetch=True), dict(block_nb=16)])
 def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
-    """The row-scale kernel's slot prefetch and early value loads, and the merge split over output columns, give the
-    reference answer (ragged lengths, per-sequence split counts, NaN-poisoned workspace and out); the general path
-    takes the merge knob too (g = 32)."""
+    """The row-scale kernel's slot prefetch and early value loads, the merge split over output columns and the exact
+    split's tile give the reference answer (ragged lengths, per-sequence split counts, NaN-poisoned workspace and
+    out); the general path takes the merge and exact-tile knobs too (g = 32)."""
     gen = torch.Generator().manual_seed(211 + len(knobs) + knobs.get("merge_cols", 0))
     for g in (128, 32):
-        if g == 32 and set(knobs) != {"merge_cols"}:
+        if g == 32 and not set(knobs) <= {"merge_cols", "block_nb"}:
             continue
         lists = make_cache(INT2_LENS, BF16_LENS, HKV, 128, g, gen)
         q = (torch.randn(len(INT2_LENS), HKV * 4, 128, generator=gen) * 2).to(DEVICE, torch.bfloat16)
