@@ -242,10 +242,12 @@ class StepCase:
         return fn, plan.index.max_splits
 
 
-def variants_table(gen, results: str, commit: str, variants=None) -> None:
+def variants_table(gen, results: str, commit: str, variants=None, shapes=None) -> None:
     """Per-layer time of a decode step (``DecodePlan.run``: K/V write + attention) under each of ``variants``
-    (default :data:`STEP_VARIANTS`), over :data:`STEP_SHAPES`; one table, appended to RESULTS.md."""
+    (default :data:`STEP_VARIANTS`), over ``shapes`` (default :data:`STEP_SHAPES`); one table, appended to
+    RESULTS.md."""
     STEP_VARIANTS = variants or globals()["STEP_VARIANTS"]
+    STEP_SHAPES = shapes or globals()["STEP_SHAPES"]
     head = ["variant", *[f"bs{bs}/{ctx // 1000}k µs" for bs, ctx, _ in STEP_SHAPES]]
     cols: list[list[str]] = []
     for bs, ctx, layers in STEP_SHAPES:
@@ -310,7 +312,10 @@ def main() -> None:
     if args.variants:
         global RECENT
         RECENT = args.recent
-        variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT if RECENT > 64 else None)
+        if RECENT > 64:  # the exact split's variants, where its rows matter: small batches
+            variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT, STEP_SHAPES[:3] + STEP_SHAPES[4:5])
+        else:
+            variants_table(gen, args.results, commit)
         return
     if args.sweep or args.sweep_only:
         sweep(gen, [(1, 8192), (1, 131072), (8, 32768), (16, 131072)])
