@@ -192,10 +192,10 @@ STEP_SHAPES = [(1, 8192, 16), (1, 32768, 8), (1, 100000, 4), (16, 131072, 1), (3
 at bs1/100k) is at least twice the H200's 50 MB L2, so every layer reads its codes from HBM, as in a model."""
 STEP_VARIANTS_LONG_RECENT = [
     ("default", {}),
+    ("one exact program (before)", dict(exact_splits=1)),
+    ("3 exact programs", dict(exact_splits=3)),
+    ("10 exact programs", dict(exact_splits=10)),
     ("no prefetch", dict(prefetch=False)),
-    ("merge cols 128", dict(merge_cols=128)),
-    ("exact tile 64", dict(block_nb=64)),
-    ("exact tile 16", dict(block_nb=16)),
 ]
 """``--variants --recent 256`` (the window the SGLang runs use): the exact split covers ``sink + recent`` rows."""
 STEP_VARIANTS = [

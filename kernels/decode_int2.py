@@ -12,11 +12,12 @@ Kernels, all launched without host synchronisation, so one call can be captured 
 * ``_rotate_q_kernel``, grid ``(B, Hkv)``: ``q' = q @ R_K[kh] * sm_scale * log2(e)`` once per query head
   (fp32, base-2 softmax units), into the workspace; skipped with ``rotate_q=False``, when the step's K/V write
   launch has written ``q'`` already (:func:`oscar_kernels.quantize_pack.quantize_pack_kv` with ``q``).
-* ``_decode_rows_kernel``, grid ``(B, Hkv, max_splits + 1)``, the fast path for one scale/zero per row
+* ``_decode_rows_kernel``, grid ``(B, Hkv, max_splits + exact_splits)``, the fast path for one scale/zero per row
   (``g = d >= 128``). Sequence ``b`` uses ``n_b = clamp(num_splits[b], 1, max_splits)`` INT2 splits (a device
   tensor: ragged batches get per-sequence counts inside a grid fixed by the host int ``max_splits``); split
   ``i < n_b`` covers ``ceil(L_b / n_b)`` INT2 tokens (rounded up to a tile); programs ``n_b <= i < max_splits`` exit
-  at once; split ``max_splits`` covers the exact rows. All ``Hq / Hkv`` query heads of a KV
+  at once; splits ``max_splits + e``, ``e < exact_splits``, share the exact rows (whole tiles each, see
+  ``EXACT_SPLIT_ROWS``). All ``Hq / Hkv`` query heads of a KV
   head share each loaded tile (GQA), and tokens are the M dimension of both tensor-core products, so a
   4-head group is not padded to 16 rows. The dequantisation is folded out of the inner loop:
   ``q'.k_hat = s (q'.c) + z sum(q')`` and ``sum_t p_t v_hat_t = sum_t (p_t s_t) c_t + sum_t p_t z_t``.
@@ -126,6 +127,11 @@ MERGE_WARPS = 4
 """Merge: warps per program (not swept)."""
 MERGE_ROT_ROWS = 64
 """Merge: output columns per piece of the ``R_V^T`` product (bounds the registers of the loaded rows)."""
+EXACT_SPLIT_ROWS = 64
+"""Exact rows per exact-split program (``DecodePlan``'s default ``exact_splits = ceil((sink + recent) /
+EXACT_SPLIT_ROWS)``): the exact rows were one program's, and with the SGLang window (sink 64 + recent 256 = 320 rows,
+ten 32-row tiles) that program was the step's longest at short contexts (H200, ``bench_decode.py --variants
+--recent 256``, commit 57f7345: a bs1/8k step 42.0 µs per layer against 28.5 with 128 exact rows)."""
 MERGE_MIN_PROGRAMS = 128
 """Merge: programs aimed for (about one per SM). Each (sequence, query head) gets ``d / cols`` programs, ``cols`` the
 largest power of two in ``[MERGE_MIN_COLS, d]`` with ``B * Hq * d / cols >= MERGE_MIN_PROGRAMS``; each merges the
@@ -265,6 +271,17 @@ def _rotate_q_kernel(
 
 
 @triton.jit
+def _exact_range(BF16_INDPTR, b, part, exact_splits, BLOCK_NB: tl.constexpr):
+    """Rows ``[lo, hi)`` of sequence ``b``'s exact list that exact part ``part`` of ``exact_splits`` covers (whole
+    ``BLOCK_NB`` tiles, the last part shorter or empty), and where the list starts."""
+    bf_start = tl.load(BF16_INDPTR + b)
+    bf_len = tl.load(BF16_INDPTR + b + 1) - bf_start
+    chunk = tl.cdiv(tl.cdiv(bf_len, exact_splits), BLOCK_NB) * BLOCK_NB
+    lo = part * chunk
+    return bf_start, lo, tl.minimum(lo + chunk, bf_len)
+
+
+@triton.jit
 def _finish_split(m_i, l_i):
     """Online-softmax state -> (1 / l, base-2 log-sum-exp); an empty split gives ``(0, -inf)``."""
     has = l_i > 0.0
@@ -280,7 +297,7 @@ def _decode_rows_kernel(
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
     PART_O, PART_LSE, NUM_SPLITS,
-    max_splits,
+    max_splits, exact_splits,
     stride_qnb, stride_qnh,
     stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
     stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
@@ -427,18 +444,17 @@ def _decode_rows_kernel(
         tl.store(o_rows + 1 + 2 * D4, a6 * (il * R2) + zt, mask=mh)
         tl.store(o_rows + 1 + 3 * D4, a7 * (il * R3) + zt, mask=mh)
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
-    elif split == max_splits:
+    elif split >= max_splits:
         # ---------------- exact (BF16) split: tokens x heads, natural element order ----------------
         offs_d = tl.arange(0, HEAD_DIM)
         qn = tl.load(q_rows + offs_d[:, None], mask=mask_h[None, :], other=0.0).to(DOT_T)  # [d, H]
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)  # o'^T
-        bf_start = tl.load(BF16_INDPTR + b)
-        bf_len = tl.load(BF16_INDPTR + b + 1) - bf_start
-        for start in range(0, bf_len, BLOCK_NB):
+        bf_start, bf_lo, bf_hi = _exact_range(BF16_INDPTR, b, split - max_splits, exact_splits, BLOCK_NB)
+        for start in range(bf_lo, bf_hi, BLOCK_NB):
             offs_n = start + tl.arange(0, BLOCK_NB)
-            mask_n = offs_n < bf_len
+            mask_n = offs_n < bf_hi
             slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
             kb = tl.load(K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :],
                          mask=mask_n[:, None], other=0.0).to(DOT_T)
@@ -529,7 +545,7 @@ def _decode_int2_kernel(
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
     PART_O, PART_LSE, NUM_SPLITS,
-    max_splits,
+    max_splits, exact_splits,
     stride_qnb, stride_qnh,
     stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh,
     stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh,
@@ -547,7 +563,7 @@ def _decode_int2_kernel(
     BQ: tl.constexpr = GROUP_SIZE // 4
     NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
     num_splits = _active_splits(NUM_SPLITS, b, max_splits)
-    if (split < num_splits) | (split == max_splits):
+    if (split < num_splits) | (split >= max_splits):
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < GQA
         heads = kvh * GQA + offs_h
@@ -648,11 +664,10 @@ def _decode_int2_kernel(
                 m_i = m_new
         else:
             # ---------------- exact (BF16) split ----------------
-            bf_start = tl.load(BF16_INDPTR + b)
-            bf_len = tl.load(BF16_INDPTR + b + 1) - bf_start
-            for start in range(0, bf_len, BLOCK_NB):
+            bf_start, bf_lo, bf_hi = _exact_range(BF16_INDPTR, b, split - max_splits, exact_splits, BLOCK_NB)
+            for start in range(bf_lo, bf_hi, BLOCK_NB):
                 offs_n = start + tl.arange(0, BLOCK_NB)
-                mask_n = offs_n < bf_len
+                mask_n = offs_n < bf_hi
                 slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
                 s, v0, v1, v2, v3 = exact_tile(q0, q1, q2, q3, K_BF16, V_BF16, slot, mask_n, stride_kbs, stride_kbh,
                                                stride_vbs, stride_vbh, kvh, col0, BQ, QK_T, True)
@@ -680,7 +695,7 @@ def _decode_int2_merge_kernel(
     stride_rh, stride_rr, stride_rc,
     stride_ob, stride_oh, stride_od,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, ROT_ROWS: tl.constexpr, COLS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, ROT_ROWS: tl.constexpr, COLS: tl.constexpr, EXACT_SPLITS: tl.constexpr,
 ):
     """The merge of one (sequence, query head), output columns ``[c * COLS, (c + 1) * COLS)``: partial weights from
     every LSE at once, the weighted sum of the partials ``SPLIT_CHUNK`` at a time (independent loads), then those
@@ -694,13 +709,15 @@ def _decode_int2_merge_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_p = tl.arange(0, BLOCK_P)
     lse_row = PART_LSE + b * stride_plb + h * stride_plh
-    valid = (offs_p < num_splits) | (offs_p == max_splits)
+    valid = (offs_p < num_splits) | ((offs_p >= max_splits) & (offs_p < max_splits + EXACT_SPLITS))
     lse = tl.load(lse_row + offs_p, mask=valid, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w_sum = tl.sum(tl.exp2(lse - m), 0)
     o_row = PART_O + b * stride_pob + h * stride_poh
-    o = tl.exp2(tl.load(lse_row + max_splits) - m) * tl.load(o_row + max_splits * stride_pos + offs_d)
+    o = tl.zeros([HEAD_DIM], tl.float32)
+    for e in tl.static_range(EXACT_SPLITS):
+        o += tl.exp2(tl.load(lse_row + max_splits + e) - m) * tl.load(o_row + (max_splits + e) * stride_pos + offs_d)
     offs_c = tl.arange(0, SPLIT_CHUNK)
     for c0 in range(0, num_splits, SPLIT_CHUNK):
         idx = c0 + offs_c
@@ -797,7 +814,9 @@ class DecodeIndex:
     * ``kv_indptr`` int32 ``[B + 1]``, ``kv_indices`` int32 ``[>= nnz]``: INT2 slots of each sequence;
     * ``bf16_indptr`` int32 ``[B + 1]``, ``bf16_indices`` int32 ``[>= nnz_bf16]``: exact rows of each sequence;
     * ``num_splits`` int32 ``[B]`` device tensor: INT2 splits per sequence (clamped to ``[1, max_splits]``);
-    * ``max_splits``: host int, the grid's split bound (the workspace holds ``max_splits + 1`` partials).
+    * ``max_splits``: host int, the grid's split bound;
+    * ``exact_splits``: host int, programs sharing each sequence's exact rows (whole ``BF16_BLOCK_N`` tiles each;
+      the workspace holds ``max_splits + exact_splits`` partials per head).
     """
 
     kv_indptr: torch.Tensor
@@ -806,6 +825,12 @@ class DecodeIndex:
     bf16_indices: torch.Tensor
     num_splits: torch.Tensor
     max_splits: int
+    exact_splits: int = 1
+
+    @property
+    def parts(self) -> int:
+        """Partials per (sequence, query head) in the workspace: ``max_splits + exact_splits``."""
+        return self.max_splits + self.exact_splits
 
     @property
     def batch(self) -> int:
@@ -817,6 +842,8 @@ class DecodeIndex:
         check_seq("num_splits", self.num_splits, batch)
         if not isinstance(self.max_splits, int) or self.max_splits < 1:
             raise ValueError(f"max_splits must be a host int >= 1, got {self.max_splits!r}")
+        if not isinstance(self.exact_splits, int) or self.exact_splits < 1:
+            raise ValueError(f"exact_splits must be a host int >= 1, got {self.exact_splits!r}")
 
 
 def row_path(cache: LayerCache, row_kernel: bool | None = None) -> bool:
@@ -847,12 +874,13 @@ def merge_columns(heads: int, head_dim: int) -> int:
 
 
 def decode_workspace(batch: int, q_heads: int, head_dim: int, max_splits: int,
-                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scratch for :func:`decode_int2` (pass it to reuse buffers, e.g. inside a CUDA graph):
-    ``part_o`` fp32 ``[B, Hq, max_splits + 1, d]``, ``part_lse`` fp32 ``[B, Hq, max_splits + 1]``, ``q_rot`` fp32
+                     device: torch.device | str, exact_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scratch for :func:`decode_int2` (pass it to reuse buffers, e.g. inside a CUDA graph), ``P = max_splits +
+    exact_splits``: ``part_o`` fp32 ``[B, Hq, P, d]``, ``part_lse`` fp32 ``[B, Hq, P]``, ``q_rot`` fp32
     ``[B, Hq, d]``."""
-    return (torch.empty(batch, q_heads, max_splits + 1, head_dim, dtype=torch.float32, device=device),
-            torch.empty(batch, q_heads, max_splits + 1, dtype=torch.float32, device=device),
+    parts = max_splits + exact_splits
+    return (torch.empty(batch, q_heads, parts, head_dim, dtype=torch.float32, device=device),
+            torch.empty(batch, q_heads, parts, dtype=torch.float32, device=device),
             torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=device))
 
 
@@ -922,18 +950,19 @@ def decode_int2(
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     row_kernel = row_path(cache, row_kernel)
     max_splits = index.max_splits
-    parts = max_splits + 1
+    parts = index.parts
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape:
         raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
     if workspace is None:
-        workspace = decode_workspace(bsz, hq, d, max_splits, q.device)
+        workspace = decode_workspace(bsz, hq, d, max_splits, q.device, index.exact_splits)
     part_o, part_lse, q_rot = workspace
     if part_o.shape != (bsz, hq, parts, d) or part_lse.shape != (bsz, hq, parts) or q_rot.shape != (bsz, hq, d) \
             or part_o.stride(-1) != 1 or part_lse.stride(-1) != 1 or q_rot.stride(-1) != 1 \
             or any(t.dtype != torch.float32 for t in workspace):
-        raise ValueError(f"workspace must be decode_workspace({bsz}, {hq}, {d}, {max_splits})")
+        raise ValueError(f"workspace must be decode_workspace({bsz}, {hq}, {d}, {max_splits}, exact_splits="
+                         f"{index.exact_splits})")
     if bsz == 0:
         return out
     fp32_dot = not gpu_codegen(q)
@@ -955,7 +984,7 @@ def decode_int2(
             cache.k_bf16, cache.v_bf16,
             index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
             part_o, part_lse, index.num_splits,
-            max_splits,
+            max_splits, index.exact_splits,
             q_rot.stride(0), q_rot.stride(1),
             kw.stride(0), kw.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0), k.zero.stride(1),
             vw.stride(0), vw.stride(1), v.scale.stride(0), v.scale.stride(1), v.zero.stride(0), v.zero.stride(1),
@@ -981,7 +1010,7 @@ def decode_int2(
             cache.k_bf16, cache.v_bf16,
             index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
             part_o, part_lse, index.num_splits,
-            max_splits,
+            max_splits, index.exact_splits,
             q_rot.stride(0), q_rot.stride(1),
             k.codes.stride(0), k.codes.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0), k.zero.stride(1),
             v.codes.stride(0), v.codes.stride(1), v.scale.stride(0), v.scale.stride(1), v.zero.stride(0), v.zero.stride(1),
@@ -1003,7 +1032,8 @@ def decode_int2(
         *cache.rot_v.stride(),
         *out.stride(),
         GQA=gqa, HEAD_DIM=d, BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1,
-        SPLIT_CHUNK=merge_chunk, ROT_ROWS=min(cols, MERGE_ROT_ROWS), COLS=cols, num_warps=MERGE_WARPS,
+        SPLIT_CHUNK=merge_chunk, ROT_ROWS=min(cols, MERGE_ROT_ROWS), COLS=cols, EXACT_SPLITS=index.exact_splits,
+        num_warps=MERGE_WARPS,
     )
     return out
 

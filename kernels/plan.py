@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .decode_int2 import (
+    EXACT_SPLIT_ROWS,
     LOG2E,
     MIN_SPLIT_TOKENS,
     DecodeIndex,
@@ -242,6 +243,8 @@ class DecodePlan(_Plan):
         write_tuning: launch parameters of the step's K/V write (``block_n``, ``rot_precision``, ``num_warps`` of
             :func:`~oscar_kernels.quantize_pack.quantize_pack_kv`; default
             :data:`~oscar_kernels.quantize_pack.DECODE_WRITE`, the measured fastest for a decode step's rows).
+        exact_splits: programs sharing each sequence's exact rows (default ``ceil((sink + recent) /
+            EXACT_SPLIT_ROWS)``, see :data:`~oscar_kernels.decode_int2.EXACT_SPLIT_ROWS`).
         fuse_q_rotation: :meth:`run` rotates the queries in the launch of the step's K/V write (one launch per
             layer fewer; :func:`~oscar_kernels.quantize_pack.quantize_pack_kv` with ``q``) instead of in
             :func:`~oscar_kernels.decode_int2.decode_int2`'s own query-rotation launch. Default ``True``.
@@ -253,7 +256,7 @@ class DecodePlan(_Plan):
                  q_heads: int, sm_scale: float | None = None, row_kernel: bool | None = None,
                  split_tokens: int | None = None, min_programs: int | None = None,
                  min_split_tokens: int = MIN_SPLIT_TOKENS, write_tuning: dict | None = None,
-                 fuse_q_rotation: bool = True, **tuning):
+                 exact_splits: int | None = None, fuse_q_rotation: bool = True, **tuning):
         super().__init__(pool, max_batch, max_seq_len, max_batch)
         if q_heads % pool.kv_heads:
             raise ValueError(f"q_heads {q_heads} must be a multiple of the pool's KV heads {pool.kv_heads}")
@@ -271,10 +274,15 @@ class DecodePlan(_Plan):
         self.tuning = tuning
         self.write_tuning = dict(DECODE_WRITE if write_tuning is None else write_tuning)
         self.fuse_q_rotation = fuse_q_rotation
+        if exact_splits is None:
+            exact_splits = max(1, triton.cdiv(pool.rows_per_request, EXACT_SPLIT_ROWS))
+        if exact_splits < 1:
+            raise ValueError(f"exact_splits must be >= 1, got {exact_splits}")
+        self.exact_splits = exact_splits
         b = self._buffers
         b["qo_indptr"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))  # one token per sequence
         b["ext"].fill_(1)
-        parts = max(bsz * (self._bounds[bsz] + 1) for bsz in range(1, max_batch + 1))
+        parts = max(bsz * (self._bounds[bsz] + exact_splits) for bsz in range(1, max_batch + 1))
         f32 = dict(dtype=torch.float32, device=pool.device)
         b["part_o"] = torch.empty(parts * q_heads * pool.head_dim, **f32)
         b["part_lse"] = torch.empty(parts * q_heads, **f32)
@@ -320,8 +328,8 @@ class DecodePlan(_Plan):
         b = self._buffers
         self.batch = self.tokens = bsz
         self.index = DecodeIndex(b["kv_indptr"][:bsz + 1], b["kv_indices"], b["bf16_indptr"][:bsz + 1],
-                                 b["bf16_indices"], b["num_splits"][:bsz], grid)
-        hq, d, parts = self.q_heads, self.pool.head_dim, grid + 1
+                                 b["bf16_indices"], b["num_splits"][:bsz], grid, self.exact_splits)
+        hq, d, parts = self.q_heads, self.pool.head_dim, self.index.parts
         self._workspace = (b["part_o"][:bsz * hq * parts * d].view(bsz, hq, parts, d),
                            b["part_lse"][:bsz * hq * parts].view(bsz, hq, parts),
                            b["q_rot"][:bsz * hq * d].view(bsz, hq, d))

@@ -72,11 +72,11 @@ class Lists:
     bf16_indptr: torch.Tensor
     bf16_indices: torch.Tensor
 
-    def index(self, num_splits: list[int] | int, max_splits: int | None = None) -> DecodeIndex:
+    def index(self, num_splits: list[int] | int, max_splits: int | None = None, exact_splits: int = 1) -> DecodeIndex:
         bsz = self.kv_indptr.shape[0] - 1
         ns = [num_splits] * bsz if isinstance(num_splits, int) else num_splits
         return DecodeIndex(self.kv_indptr, self.kv_indices, self.bf16_indptr, self.bf16_indices,
-                           torch.tensor(ns, dtype=torch.int32, device=DEVICE), max_splits or max(ns))
+                           torch.tensor(ns, dtype=torch.int32, device=DEVICE), max_splits or max(ns), exact_splits)
 
 
 def make_cache(int2_lens: list[int], bf16_lens: list[int], hkv: int, d: int, g: int, gen: torch.Generator,

@@ -141,6 +141,32 @@ def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
         decode_int2(q, lists.cache, index, merge_cols=48)
 
 
+@pytest.mark.parametrize("exact_splits", [2, 3, 8])
+def test_decode_exact_rows_shared_by_several_programs(exact_splits):
+    """The exact rows of each sequence spread over ``exact_splits`` programs (whole tiles each: with 8 and a short
+    list most parts are empty, and one sequence has no exact rows at all) give the reference answer on both paths
+    and with the merge split over columns; the workspace is poisoned, so a part nobody wrote would show."""
+    gen = torch.Generator().manual_seed(307 + exact_splits)
+    bf16_lens = [70, 5, 0, 33] if ON_GPU else [40, 9, 0, 3]
+    for g, kw in ((128, {}), (128, dict(merge_cols=32)), (32, {})):
+        lists = make_cache(INT2_LENS, bf16_lens, HKV, 128, g, gen)
+        q = (torch.randn(len(INT2_LENS), HKV * 4, 128, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+        index = lists.index(SPLITS, MAX_SPLITS, exact_splits)
+        out = torch.full(q.shape, float("nan"), device=DEVICE)
+        ws = decode_workspace(q.shape[0], q.shape[1], 128, MAX_SPLITS, DEVICE, exact_splits)
+        for t in ws:
+            t.fill_(float("nan"))
+        decode_int2(q, lists.cache, index, workspace=ws, out=out, block_nb=16, **kw)
+        ref = decode_int2_ref(q, lists.cache, index)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, **TOL)
+        assert rel_err(out, ref) <= MAX_REL
+    with pytest.raises(ValueError, match="workspace must be"):
+        decode_int2(q, lists.cache, index, workspace=decode_workspace(q.shape[0], q.shape[1], 128, MAX_SPLITS, DEVICE))
+    with pytest.raises(ValueError, match="exact_splits must be"):
+        decode_int2(q, lists.cache, lists.index(SPLITS, MAX_SPLITS, 0))
+
+
 def test_decode_reads_a_prerotated_query_from_the_workspace():
     """``rotate_q=False``: the attention reads ``q_rot`` as the caller left it (here the reference rotation,
     scaled), so the answer equals the default's; a poisoned ``q_rot`` poisons the output (it really is read)."""

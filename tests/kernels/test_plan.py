@@ -95,18 +95,20 @@ DECODE_VARIANTS = {
     "tf32x3-write": dict(write_tuning={}),
     "unfused": dict(fuse_q_rotation=False),
     "knobs": dict(prefetch=True, early_v=True, merge_cols=32),
+    "exact-splits": dict(exact_splits=3, block_nb=16),
 }
 
 
 @pytest.mark.parametrize("case,write", [(c, "default") for c in range(len(CASES))]
-                         + [(0, "fma"), (1, "tf32x3-write"), (1, "unfused"), (1, "knobs")])
+                         + [(0, "fma"), (1, "tf32x3-write"), (1, "unfused"), (1, "knobs"), (0, "exact-splits"),
+                            (1, "exact-splits")])
 def test_prefill_then_decode_matches_design_p(case, write):
     """One extend over three requests (scattered slots, request order != pool order, left padding), then decode steps
     on the SAME plan buffers with new lengths each step (ring wrap-around included): every output is Design P. The
     queries are rotated in the write's launch by default; "unfused" rotates them in the attention's own launch;
     "fma" / "tf32x3-write" write the decode tokens (and rotate the queries) through the CUDA-core / tensor-core
     rotation (``write_tuning``); "knobs" turns on the decode kernel's prefetch, early value loads and a merge split
-    over output columns."""
+    over output columns; "exact-splits" shares each sequence's exact rows among three programs."""
     scheme, hkv, gqa, d, lens, start = CASES[case]
     steps = 3
     eng = Engine(scheme, hkv, gqa, d, reqs=4, max_ctx=max(lens) + steps, seed=10 + case)
