@@ -127,11 +127,15 @@ MERGE_WARPS = 4
 """Merge: warps per program (not swept)."""
 MERGE_ROT_ROWS = 64
 """Merge: output columns per piece of the ``R_V^T`` product (bounds the registers of the loaded rows)."""
-EXACT_SPLIT_ROWS = 64
+EXACT_SPLIT_ROWS = 128
 """Exact rows per exact-split program (``DecodePlan``'s default ``exact_splits = ceil((sink + recent) /
 EXACT_SPLIT_ROWS)``): the exact rows were one program's, and with the SGLang window (sink 64 + recent 256 = 320 rows,
-ten 32-row tiles) that program was the step's longest at short contexts (H200, ``bench_decode.py --variants
---recent 256``, commit 57f7345: a bs1/8k step 42.0 µs per layer against 28.5 with 128 exact rows)."""
+ten 32-row tiles) that program was the step's longest at short contexts. Measured on an H200 (``bench_decode.py
+--variants --recent 256``, commit 418023b, a decode step per layer): one / 3 / 5 / 10 exact programs at bs1/8k 40.4 /
+28.0 / 27.1 / 27.3 µs, bs1/32k 46.8 / 33.4 / 32.5 / 34.8, bs1/100k 58.6 / 59.0 / 61.1 / 59.6, bs32/32k 322.0 / 323.4 /
+324.1 / 325.6. Three (this value at that window) keeps the bs1/100k grid in one wave (8 x (128 + 3) = 1048 programs
+of 234 registers, 1056 resident); five made it 1064 (the 61.1), and taking the extra programs out of the INT2 splits
+instead cost bs1/32k a third tile per split (36.4 µs, commit dc4302a)."""
 MERGE_MIN_PROGRAMS = 128
 """Merge: programs aimed for (about one per SM). Each (sequence, query head) gets ``d / cols`` programs, ``cols`` the
 largest power of two in ``[MERGE_MIN_COLS, d]`` with ``B * Hq * d / cols >= MERGE_MIN_PROGRAMS``; each merges the
