@@ -781,14 +781,10 @@ _UNBOUNDED = 2**30
 
 def split_policy(batch: int, kv_heads: int, max_kv_len: int, row_kernel: bool = False, max_splits: int | None = None,
                  min_programs: int | None = None, split_tokens: int | None = None,
-                 min_split_tokens: int = MIN_SPLIT_TOKENS, exact_splits: int = 1) -> SplitPolicy:
+                 min_split_tokens: int = MIN_SPLIT_TOKENS) -> SplitPolicy:
     """The split policy for a batch of ``batch`` sequences of at most ``max_kv_len`` INT2 tokens (host ints only).
 
-    ``min_splits = max(ceil(min_programs / (batch * kv_heads)) - (exact_splits - 1), 1)``: ``min_programs`` counts
-    the grid's programs, the ``exact_splits`` exact ones of each (sequence, KV head) included, so that adding exact
-    programs does not push a one-wave grid into a second wave (bs1/100k on an H200, commit 418023b: 1064 programs
-    of 234 registers against 1056 resident, 61.1 µs per step and layer vs 58.6 with one exact program);
-    ``max_splits`` defaults to the count of a sequence of
+    ``min_splits = ceil(min_programs / (batch * kv_heads))``; ``max_splits`` defaults to the count of a sequence of
     ``max_kv_len`` tokens, so a uniform batch at the bound gets exactly the counts the measured defaults were taken
     with (``default_num_splits`` before the device split counts: RESULTS.md, commits 529689a and dda96f4). Defaults
     per path: ``ROWS_*`` for the row-scale kernel, ``DEFAULT_*`` for the general one; ``MIN_SPLIT_TOKENS``."""
@@ -796,8 +792,8 @@ def split_policy(batch: int, kv_heads: int, max_kv_len: int, row_kernel: bool = 
         min_programs = ROWS_MIN_PROGRAMS if row_kernel else DEFAULT_MIN_PROGRAMS
     if split_tokens is None:
         split_tokens = ROWS_SPLIT_TOKENS if row_kernel else DEFAULT_SPLIT_TOKENS
-    min_splits = max(triton.cdiv(min_programs, max(batch * kv_heads, 1)) - (exact_splits - 1), 1)
-    policy = SplitPolicy(split_tokens, min_splits, min_split_tokens, _UNBOUNDED)
+    policy = SplitPolicy(split_tokens, triton.cdiv(min_programs, max(batch * kv_heads, 1)), min_split_tokens,
+                         _UNBOUNDED)
     if max_splits is None:
         max_splits = policy.splits_for(max_kv_len)
     if max_splits < 1:

@@ -267,12 +267,6 @@ class DecodePlan(_Plan):
         if max_splits is not None and max_splits < 1:
             raise ValueError(f"max_splits must be >= 1, got {max_splits}")
         self.split_cap = max_splits
-        if exact_splits is None:
-            exact_splits = max(1, triton.cdiv(pool.rows_per_request, EXACT_SPLIT_ROWS))
-        if exact_splits < 1:
-            raise ValueError(f"exact_splits must be >= 1, got {exact_splits}")
-        self.exact_splits = exact_splits
-        self._policy_args["exact_splits"] = exact_splits
         self._bounds = [self._grid_bound(bsz) for bsz in range(max_batch + 1)]
         self.max_splits = max(self._bounds)
         """The largest grid split bound of any batch size (a one-sequence batch's, at the default policy)."""
@@ -280,6 +274,11 @@ class DecodePlan(_Plan):
         self.tuning = tuning
         self.write_tuning = dict(DECODE_WRITE if write_tuning is None else write_tuning)
         self.fuse_q_rotation = fuse_q_rotation
+        if exact_splits is None:
+            exact_splits = max(1, triton.cdiv(pool.rows_per_request, EXACT_SPLIT_ROWS))
+        if exact_splits < 1:
+            raise ValueError(f"exact_splits must be >= 1, got {exact_splits}")
+        self.exact_splits = exact_splits
         b = self._buffers
         b["qo_indptr"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))  # one token per sequence
         b["ext"].fill_(1)
