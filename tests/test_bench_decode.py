@@ -1,0 +1,51 @@
+"""benchmarks/bench_decode.py --variants off the GPU: each variant's decode step runs through the kernels (interpreter)
+on tiny pools, and the table appended to RESULTS.md has one row per variant, one column per shape and the plan's
+split bound of each cell; a wrong step would fail against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import load_benchmark
+from oscar_kernels import decode_int2_ref
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    mod = load_benchmark("bench_decode")
+    monkeypatch.setattr(mod, "DEV", "cpu")
+    monkeypatch.setattr(mod, "STEP_SHAPES", [(1, 400, 2), (2, 200, 1)])
+    monkeypatch.setattr(mod.torch.cuda, "get_device_name", lambda *a: "cpu (interpreter)")
+    monkeypatch.setattr(mod.torch.cuda, "empty_cache", lambda: None)
+    return mod
+
+
+def test_each_variant_steps_through_every_layer_and_matches_the_reference(bench):
+    case = bench.StepCase(1, 400, 2, torch.Generator().manual_seed(0))
+    for name, kw in bench.STEP_VARIANTS[1:2] + bench.STEP_VARIANTS_LONG_RECENT[1:2]:
+        fn, bound = case.step(**kw)
+        case.out.fill_(float("nan"))
+        fn()  # every layer; the output is the last layer's
+        plan = bench.DecodePlan(case.pool, 1, 400, q_heads=bench.HQ, **kw)
+        plan.plan(case.req_to_token, torch.arange(1), torch.full((1,), 400), case.req_to_token[:, 399].contiguous())
+        ref = decode_int2_ref(case.q, case.pool.layer(case.layers - 1), plan.index, plan.sm_scale)
+        assert torch.isfinite(case.out).all(), name
+        err = (case.out.float() - ref).norm() / ref.norm()
+        assert err < 1e-2, (name, err)
+        assert bound == plan.index.max_splits >= 1
+
+
+def test_variants_table_has_a_row_per_variant_and_is_appended(bench, tmp_path, monkeypatch):
+    timed = []
+    monkeypatch.setattr(bench, "graph_us", lambda fn: (fn(), timed.append(1), 10.0 * len(timed))[2])
+    variants = bench.STEP_VARIANTS[:2]
+    results = tmp_path / "RESULTS.md"
+    bench.variants_table(torch.Generator().manual_seed(1), str(results), "abc1234", variants)
+    text = results.read_text()
+    assert "## Decode step variants, per layer" in text and "commit abc1234" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0].split("|")[1:4] == [" variant ", " bs1/0k µs ", " bs2/0k µs "]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == [name for name, _ in variants]
+    # each cell: time per layer (the fake timer's value over the step's layers) and the split bound in brackets
+    assert rows[1].split("|")[2].strip().endswith(")") and "5.0 (" in rows[1]
+    assert len(timed) == len(variants) * 2
