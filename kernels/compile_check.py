@@ -158,6 +158,11 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
         dec.write_tuning = {}  # the write with quantize_pack_kv's own (prefill) parameters
         dec.tuning = dict(merge_chunk=1)  # the merge's one-partial-per-step loop (the default reads 32)
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        # the query rotation in its own launch (decode_int2's default, DecodePlan.attend), and exact rows shared by
+        # three programs (the merge's exact partials are a compile-time count)
+        dec = DecodePlan(pool, 2, 128, q_heads=hq, fuse_q_rotation=False, exact_splits=3)
+        dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
+        dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
 
 
 def main(argv: list[str] | None = None) -> int:
