@@ -225,8 +225,9 @@ class DecodePlan(_Plan):
     Allocates at construction (``workspace_bytes()`` counts them): ``kv_indices`` int32 ``[max_batch * max_seq_len]``,
     ``bf16_indices`` int32 ``[max_batch * (sink + recent)]``, the ``[max_batch + 1]`` indptr arrays, ``num_splits``,
     per-sequence request / position / start / slot / exact-row buffers, and the decode workspace (``part_o`` fp32,
-    ``part_lse``, ``q_rot``), flat: sized for the batch size ``B <= max_batch`` whose ``B * (bound(B) + exact_splits)`` partials
-    are the most (the full batch at the default policy), viewed per plan as ``[B, q_heads, bound(B) + exact_splits, d]``.
+    ``part_lse``, ``q_rot``), flat: sized for the batch size ``B <= max_batch`` whose ``B * (bound(B) +
+    exact_splits)`` partials are the most (the full batch at the default policy), viewed per plan as
+    ``[B, q_heads, bound(B) + exact_splits, d]``.
 
     Args:
         pool: the :class:`~oscar_kernels.pool.Int2KVPool` the steps read and write.
