@@ -218,10 +218,10 @@ class StepCase:
     """``bs`` sequences of ``ctx`` tokens in a pool of ``layers`` layers (random codes and exact rows), and one
     decode step over all of them: ``DecodePlan.run`` per layer, the write and attention SGLang runs per layer."""
 
-    def __init__(self, bs: int, ctx: int, layers: int, gen: torch.Generator):
+    def __init__(self, bs: int, ctx: int, layers: int, gen: torch.Generator, recent: int = RECENT):
         self.bs, self.ctx, self.layers = bs, ctx, layers
         rot = torch.linalg.qr(torch.randn(2, layers, HKV, D, D, device=DEV, generator=gen))[0].contiguous()
-        self.pool = Int2KVPool(QuantScheme(group=0, sink=SINK, recent=RECENT), layers, HKV, D, bs * ctx, bs,
+        self.pool = Int2KVPool(QuantScheme(group=0, sink=SINK, recent=recent), layers, HKV, D, bs * ctx, bs,
                                rot[0], rot[1], device=DEV)
         for i in range(layers):
             fill_random(self.pool.layer(i), gen)
@@ -242,18 +242,18 @@ class StepCase:
         return fn, plan.index.max_splits
 
 
-def variants_table(gen, results: str, commit: str, variants=None, shapes=None) -> None:
+def variants_table(gen, results: str, commit: str, variants=None, shapes=None, recent: int = RECENT) -> None:
     """Per-layer time of a decode step (``DecodePlan.run``: K/V write + attention) under each of ``variants``
-    (default :data:`STEP_VARIANTS`), over ``shapes`` (default :data:`STEP_SHAPES`); one table, appended to
-    RESULTS.md."""
-    STEP_VARIANTS = variants or globals()["STEP_VARIANTS"]
-    STEP_SHAPES = shapes or globals()["STEP_SHAPES"]
-    head = ["variant", *[f"bs{bs}/{ctx // 1000}k µs" for bs, ctx, _ in STEP_SHAPES]]
+    (default :data:`STEP_VARIANTS`), over ``shapes`` (default :data:`STEP_SHAPES`), pools with a ``recent``-token
+    exact window; one table, appended to RESULTS.md."""
+    variants = variants or STEP_VARIANTS
+    shapes = shapes or STEP_SHAPES
+    head = ["variant", *[f"bs{bs}/{ctx // 1000}k µs" for bs, ctx, _ in shapes]]
     cols: list[list[str]] = []
-    for bs, ctx, layers in STEP_SHAPES:
-        case = StepCase(bs, ctx, layers, gen)
+    for bs, ctx, layers in shapes:
+        case = StepCase(bs, ctx, layers, gen, recent)
         col = []
-        for name, kw in STEP_VARIANTS:
+        for name, kw in variants:
             fn, splits = case.step(**kw)
             t = graph_us(fn) / layers
             col.append(f"{t:.1f} ({splits})")
@@ -261,14 +261,14 @@ def variants_table(gen, results: str, commit: str, variants=None, shapes=None) -
         cols.append(col)
         del case
         torch.cuda.empty_cache()
-    rows = [[name, *[c[i] for c in cols]] for i, (name, _) in enumerate(STEP_VARIANTS)]
+    rows = [[name, *[c[i] for c in cols]] for i, (name, _) in enumerate(variants)]
     table = markdown_table(head, rows)
     print(table)
     append_section(results, "Decode step variants, per layer", torch.cuda.get_device_name(), commit,
                    "`DecodePlan.run` (the new token's K/V write, with the query rotation in the same launch unless "
                    "said otherwise, then the attention) over every layer of a pool of several layers (each step's "
                    "INT2 data at least twice the L2), CUDA-graph replay median divided by the layers; Qwen3-8B shapes "
-                   f"(32 q / 8 KV heads, d 128), INT2 g = d, sink {SINK}, recent {RECENT}; in brackets the plan's split "
+                   f"(32 q / 8 KV heads, d 128), INT2 g = d, sink {SINK}, recent {recent}; in brackets the plan's split "
                    "bound for the batch.", table)
 
 
@@ -284,8 +284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="time a decode step per layer under each DecodePlan variant, append the table, then stop")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,
-                    help=f"exact recent window of the pools (default {RECENT}; with --variants, 256 times the "
-                         "exact-split variants instead)")
+                    help=f"with --variants: the pools' exact recent window (default {RECENT}; above it the "
+                         "exact-split variants are timed, at small batches)")
     return ap.parse_args(argv)
 
 
@@ -310,12 +310,11 @@ def main() -> None:
         merge_table(gen, args.results, commit)
         return
     if args.variants:
-        global RECENT
-        RECENT = args.recent
-        if RECENT > 64:  # the exact split's variants, where its rows matter: small batches
-            variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT, STEP_SHAPES[:3] + STEP_SHAPES[4:5])
+        if args.recent > RECENT:  # the exact split's variants, where its rows matter: small batches
+            variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT, STEP_SHAPES[:3] + STEP_SHAPES[4:5],
+                           args.recent)
         else:
-            variants_table(gen, args.results, commit)
+            variants_table(gen, args.results, commit, recent=args.recent)
         return
     if args.sweep or args.sweep_only:
         sweep(gen, [(1, 8192), (1, 131072), (8, 32768), (16, 131072)])
