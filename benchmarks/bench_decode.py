@@ -192,12 +192,18 @@ STEP_SHAPES = [(1, 8192, 16), (1, 32768, 8), (1, 100000, 4), (16, 131072, 1), (3
 at bs1/100k) is at least twice the H200's 50 MB L2, so every layer reads its codes from HBM, as in a model."""
 STEP_VARIANTS_LONG_RECENT = [
     ("default", {}),
-    ("one exact program (before)", dict(exact_splits=1)),
-    ("3 exact programs", dict(exact_splits=3)),
-    ("10 exact programs", dict(exact_splits=10)),
-    ("no prefetch", dict(prefetch=False)),
+    ("pipeline, block_n 64", dict(pipeline=True, block_n=64)),
+    ("pipeline, block_n 64, exact tile 16 x 5", dict(pipeline=True, block_n=64, block_nb=16, exact_splits=5)),
+    ("block_n 64, exact tile 16 x 5", dict(block_n=64, block_nb=16, exact_splits=5)),
+    ("block_n 64, exact tile 16 x 5, 1536 programs", dict(block_n=64, block_nb=16, exact_splits=5, min_programs=1536)),
+    ("stages 3, block_n 64, exact tile 16 x 5", dict(num_stages=3, block_n=64, block_nb=16, exact_splits=5)),
+    ("exact tile 16 x 5", dict(block_nb=16, exact_splits=5)),
+    ("write 2 warps", dict(write_tuning=dict(block_n=1, rot_precision="fma", num_warps=2))),
+    ("write 4 warps", dict(write_tuning=dict(block_n=1, rot_precision="fma", num_warps=4))),
 ]
-"""``--variants --recent 256`` (the window the SGLang runs use): the exact split covers ``sink + recent`` rows."""
+"""``--variants --recent 256`` (the window the SGLang runs use: ``sink + recent`` exact rows per sequence): the
+software-pipelined split loop, 64-token tiles, 16-row exact tiles over more exact programs (fewer registers: more
+resident warps), cp.async stages, and the K/V write with more warps per program."""
 STEP_VARIANTS = [
     ("query rotation in its own launch", dict(fuse_q_rotation=False)),
     ("default", {}),
@@ -284,8 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="time a decode step per layer under each DecodePlan variant, append the table, then stop")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,
-                    help=f"with --variants: the pools' exact recent window (default {RECENT}; above it the "
-                         "exact-split variants are timed, at small batches)")
+                    help=f"with --variants: the pools' exact recent window (default {RECENT}; above it "
+                         "STEP_VARIANTS_LONG_RECENT is timed)")
     return ap.parse_args(argv)
 
 
@@ -311,7 +317,7 @@ def main() -> None:
         return
     if args.variants:
         if args.recent > RECENT:  # the exact split's variants, where its rows matter: small batches
-            variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT, STEP_SHAPES[:3] + STEP_SHAPES[4:5],
+            variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT, STEP_SHAPES[:3] + STEP_SHAPES[4:],
                            args.recent)
         else:
             variants_table(gen, args.results, commit, recent=args.recent)

@@ -151,6 +151,9 @@ ROWS_PREFETCH = True
 tile's code loads wait on one memory latency instead of two. Measured on an H200 (``bench_decode.py --variants``,
 commit 154a6a4, per layer of a decode step): bs1/100k 61.3 µs vs 62.6 without; bs1/8k 29.0 vs 28.5, bs16/128k
 579.5 vs 580.0, bs50/100k 1302.1 vs 1305.9 (level). Costs no registers (248 either way at d = 128)."""
+ROWS_PIPELINE = False
+"""Row-scale path: software-pipeline the split loop (``decode_int2(pipeline=...)``): tile ``i + 1``'s code words,
+scales and zeros are loaded while tile ``i`` is computed, tile ``i + 2``'s slots one step earlier."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
@@ -295,6 +298,74 @@ def _finish_split(m_i, l_i):
 
 
 @triton.jit
+def _rows_tile_loads(K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w,
+                     stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+                     stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh):
+    """One row-scale tile's loads: key and value code words ``[N, d/8]`` and scales/zeros ``[N]`` in their stored
+    dtype. Masked tokens read slot 0 (any bits: their score is -inf) with value scale and zero 0 (their ``p*s`` and
+    ``p*z`` must be 0)."""
+    kw = tl.load(K_WORDS + slot[:, None] * stride_kws + kvh * stride_kwh + offs_w[None, :])
+    ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh)
+    kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh)
+    vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
+    vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0)
+    vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0)
+    return kw, ks, kz, vw, vs, vz
+
+
+@triton.jit
+def _rows_scores(kw, ks, kz, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i,
+                 MAGIC: tl.constexpr, DOT_T: tl.constexpr):
+    """A row-scale tile's base-2 scores ``s = s_k (q'.c) + z_k sum(q')`` [N, H] -> online-softmax step:
+    ``(p, alpha, m_new, l_new)``."""
+    if MAGIC:
+        k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(kw)
+    else:
+        k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_plain(kw, DOT_T)
+    qc = tl.dot(k0, q0, s_init)
+    qc = tl.dot(k1, q1, qc)
+    qc = tl.dot(k2, q2, qc)
+    qc = tl.dot(k3, q3, qc)
+    qc = tl.dot(k4, q4, qc)
+    qc = tl.dot(k5, q5, qc)
+    qc = tl.dot(k6, q6, qc)
+    qc = tl.dot(k7, q7, qc)  # [N, H] = q'.c
+    s = qc * ks[:, None] + kz[:, None] * qtot[None, :]
+    s = tl.where(mask_n[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 0)
+
+
+@triton.jit
+def _rows_values(p, alpha, vw, vs, vz, pz, a0, a1, a2, a3, a4, a5, a6, a7,
+                 OFF: tl.constexpr, MAGIC: tl.constexpr, DOT_T: tl.constexpr):
+    """A row-scale tile's value side: ``sum_t (p_t s_t) c_t`` into the plane accumulators ``a*`` [d/8, H] (rescaled
+    by ``alpha``) and ``sum_t p_t z_t`` into ``pz``."""
+    ps = (p * vs[:, None]).to(DOT_T)
+    pz = pz * alpha + tl.sum(p * vz[:, None], 0)
+    if MAGIC:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(vw)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_plain(vw, DOT_T)
+    # the 1024 offsets leave each tile's product before it is carried: the tensor cores' fp32 accumulation
+    # truncates, and carried over a long split next to the offsets its bias grew with the split length
+    # (5e-2 relative error over 4k tokens on an H200; written as dot(...) - off, Triton cannot fold the
+    # carry back into the dot's accumulator)
+    off_t = (OFF * tl.sum(ps.to(tl.float32), 0))[None, :]
+    a0 = a0 * alpha[None, :] + (tl.dot(tl.trans(v0), ps) - off_t)
+    a1 = a1 * alpha[None, :] + (tl.dot(tl.trans(v1), ps) - off_t)
+    a2 = a2 * alpha[None, :] + (tl.dot(tl.trans(v2), ps) - off_t)
+    a3 = a3 * alpha[None, :] + (tl.dot(tl.trans(v3), ps) - off_t)
+    a4 = a4 * alpha[None, :] + (tl.dot(tl.trans(v4), ps) - off_t)
+    a5 = a5 * alpha[None, :] + (tl.dot(tl.trans(v5), ps) - off_t)
+    a6 = a6 * alpha[None, :] + (tl.dot(tl.trans(v6), ps) - off_t)
+    a7 = a7 * alpha[None, :] + (tl.dot(tl.trans(v7), ps) - off_t)
+    return pz, a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
 def _decode_rows_kernel(
     QN,
     K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
@@ -311,7 +382,7 @@ def _decode_rows_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
     MAGIC: tl.constexpr, DOT_T: tl.constexpr, BF_PV_T: tl.constexpr, OFF64: tl.constexpr,
-    PREFETCH: tl.constexpr, EARLY_V: tl.constexpr,
+    PREFETCH: tl.constexpr, EARLY_V: tl.constexpr, PIPELINE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -370,70 +441,65 @@ def _decode_rows_kernel(
         lo = split * split_len
         hi = tl.minimum(lo + split_len, kv_len)
         offs_t = tl.arange(0, BLOCK_N)
-        if PREFETCH:  # the slots of the first tile; each iteration then loads the next tile's
-            slot_next = tl.load(KV_INDICES + kv_start + lo + offs_t, mask=lo + offs_t < hi, other=0)
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + offs_t
-            mask_n = offs_n < hi
-            if PREFETCH:
-                slot = slot_next
-                slot_next = tl.load(KV_INDICES + kv_start + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < hi, other=0)
-            else:
-                slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0)
+        if PIPELINE:
+            # software pipeline: tile i + 1's words, scales and zeros are loaded while tile i is computed (their
+            # registers carried across the iteration), and tile i + 2's slots one step earlier still
+            slot = tl.load(KV_INDICES + kv_start + lo + offs_t, mask=lo + offs_t < hi, other=0)
             if OFF64:
                 slot = slot.to(tl.int64)
-            kw = tl.load(K_WORDS + slot[:, None] * stride_kws + kvh * stride_kwh + offs_w[None, :])
-            ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh).to(tl.float32)
-            kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh).to(tl.float32)
-            if EARLY_V:  # the value tile's loads issued beside the key tile's, before the score math
-                # masked tokens read slot 0 (any bits): their s is -inf below, their p*s and p*z must be 0
-                vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
-                vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
-                vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
-            if MAGIC:
-                k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(kw)
-            else:
-                k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_plain(kw, DOT_T)
-            qc = tl.dot(k0, q0, s_init)
-            qc = tl.dot(k1, q1, qc)
-            qc = tl.dot(k2, q2, qc)
-            qc = tl.dot(k3, q3, qc)
-            qc = tl.dot(k4, q4, qc)
-            qc = tl.dot(k5, q5, qc)
-            qc = tl.dot(k6, q6, qc)
-            qc = tl.dot(k7, q7, qc)  # [N, H] = q'.c
-            s = qc * ks[:, None] + kz[:, None] * qtot[None, :]
-            s = tl.where(mask_n[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
-            if not EARLY_V:
-                # masked tokens read slot 0 (any bits): their s is -inf above, their p*s and p*z must be 0
-                vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
-                vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
-            ps = (p * vs[:, None]).to(DOT_T)
-            pz = pz * alpha + tl.sum(p * vz[:, None], 0)
-            if not EARLY_V:
-                vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
-            if MAGIC:
-                v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(vw)
-            else:
-                v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_plain(vw, DOT_T)
-            # the 1024 offsets leave each tile's product before it is carried: the tensor cores' fp32 accumulation
-            # truncates, and carried over a long split next to the offsets its bias grew with the split length
-            # (5e-2 relative error over 4k tokens on an H200; written as dot(...) - off, Triton cannot fold the
-            # carry back into the dot's accumulator)
-            off_t = (OFF * tl.sum(ps.to(tl.float32), 0))[None, :]
-            a0 = a0 * alpha[None, :] + (tl.dot(tl.trans(v0), ps) - off_t)
-            a1 = a1 * alpha[None, :] + (tl.dot(tl.trans(v1), ps) - off_t)
-            a2 = a2 * alpha[None, :] + (tl.dot(tl.trans(v2), ps) - off_t)
-            a3 = a3 * alpha[None, :] + (tl.dot(tl.trans(v3), ps) - off_t)
-            a4 = a4 * alpha[None, :] + (tl.dot(tl.trans(v4), ps) - off_t)
-            a5 = a5 * alpha[None, :] + (tl.dot(tl.trans(v5), ps) - off_t)
-            a6 = a6 * alpha[None, :] + (tl.dot(tl.trans(v6), ps) - off_t)
-            a7 = a7 * alpha[None, :] + (tl.dot(tl.trans(v7), ps) - off_t)
-            m_i = m_new
+            kw_n, ks_n, kz_n, vw_n, vs_n, vz_n = _rows_tile_loads(
+                K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, slot, lo + offs_t < hi, kvh, offs_w,
+                stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+                stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
+            slot_next = tl.load(KV_INDICES + kv_start + lo + BLOCK_N + offs_t, mask=lo + BLOCK_N + offs_t < hi, other=0)
+            for start in range(lo, hi, BLOCK_N):
+                mask_n = start + offs_t < hi
+                kw, ks, kz, vw, vs, vz = kw_n, ks_n, kz_n, vw_n, vs_n, vz_n
+                slot = slot_next
+                if OFF64:
+                    slot = slot.to(tl.int64)
+                kw_n, ks_n, kz_n, vw_n, vs_n, vz_n = _rows_tile_loads(
+                    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, slot, start + BLOCK_N + offs_t < hi, kvh,
+                    offs_w, stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+                    stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
+                nxt = start + 2 * BLOCK_N + offs_t
+                slot_next = tl.load(KV_INDICES + kv_start + nxt, mask=nxt < hi, other=0)
+                p, alpha, m_i, l_i = _rows_scores(kw, ks.to(tl.float32), kz.to(tl.float32), mask_n, q0, q1, q2, q3,
+                                                  q4, q5, q6, q7, s_init, qtot, m_i, l_i, MAGIC, DOT_T)
+                pz, a0, a1, a2, a3, a4, a5, a6, a7 = _rows_values(
+                    p, alpha, vw, vs.to(tl.float32), vz.to(tl.float32), pz, a0, a1, a2, a3, a4, a5, a6, a7,
+                    OFF, MAGIC, DOT_T)
+        else:
+            if PREFETCH:  # the slots of the first tile; each iteration then loads the next tile's
+                slot_next = tl.load(KV_INDICES + kv_start + lo + offs_t, mask=lo + offs_t < hi, other=0)
+            for start in range(lo, hi, BLOCK_N):
+                offs_n = start + offs_t
+                mask_n = offs_n < hi
+                if PREFETCH:
+                    slot = slot_next
+                    slot_next = tl.load(KV_INDICES + kv_start + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < hi,
+                                        other=0)
+                else:
+                    slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0)
+                if OFF64:
+                    slot = slot.to(tl.int64)
+                kw = tl.load(K_WORDS + slot[:, None] * stride_kws + kvh * stride_kwh + offs_w[None, :])
+                ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh).to(tl.float32)
+                kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh).to(tl.float32)
+                if EARLY_V:  # the value tile's loads issued beside the key tile's, before the score math
+                    # masked tokens read slot 0 (any bits): their s is -inf below, their p*s and p*z must be 0
+                    vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0)
+                    vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0)
+                    vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
+                p, alpha, m_i, l_i = _rows_scores(kw, ks, kz, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot,
+                                                  m_i, l_i, MAGIC, DOT_T)
+                if not EARLY_V:
+                    vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0)
+                    vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0)
+                    vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
+                pz, a0, a1, a2, a3, a4, a5, a6, a7 = _rows_values(
+                    p, alpha, vw, vs.to(tl.float32), vz.to(tl.float32), pz, a0, a1, a2, a3, a4, a5, a6, a7,
+                    OFF, MAGIC, DOT_T)
         inv_l, lse = _finish_split(m_i, l_i)
         il = inv_l[None, :]
         zt = (pz * inv_l)[None, :]
@@ -905,6 +971,7 @@ def decode_int2(
     merge_cols: int | None = None,
     prefetch: bool = ROWS_PREFETCH,
     early_v: bool = ROWS_EARLY_V,
+    pipeline: bool = ROWS_PIPELINE,
     rotate_q: bool = True,
     block_nb: int | None = None,
 ) -> torch.Tensor:
@@ -999,7 +1066,7 @@ def decode_int2(
             BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=block_nb or BF16_BLOCK_N,
             MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
             BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
-            PREFETCH=bool(prefetch), EARLY_V=bool(early_v),
+            PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline),
             num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES,
             **({"maxnreg": max_registers} if max_registers else {}),
         )

@@ -118,11 +118,14 @@ def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
 
 
 @pytest.mark.parametrize("knobs", [dict(prefetch=True), dict(early_v=True), dict(prefetch=True, early_v=True),
-                                   dict(merge_cols=32), dict(merge_cols=16, prefetch=True), dict(block_nb=16)])
+                                   dict(merge_cols=32), dict(merge_cols=16, prefetch=True), dict(block_nb=16),
+                                   dict(pipeline=True), dict(pipeline=True, block_n=64, block_nb=16),
+                                   dict(pipeline=True, block_n=16)])
 def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
-    """The row-scale kernel's slot prefetch and early value loads, the merge split over output columns and the exact
-    split's tile give the reference answer (ragged lengths, per-sequence split counts, NaN-poisoned workspace and
-    out); the general path takes the merge and exact-tile knobs too (g = 32)."""
+    """The row-scale kernel's slot prefetch, early value loads and software pipeline (one and several tiles per
+    split), the merge split over output columns and the exact split's tile give the reference answer (ragged
+    lengths, per-sequence split counts, NaN-poisoned workspace and out); the general path takes the merge and
+    exact-tile knobs too (g = 32)."""
     gen = torch.Generator().manual_seed(211 + len(knobs) + knobs.get("merge_cols", 0))
     for g in (128, 32):
         if g == 32 and not set(knobs) <= {"merge_cols", "block_nb"}:
