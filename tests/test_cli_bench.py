@@ -4,6 +4,7 @@ Qwen3-8B-shaped model and artifact through the SGLang plugin's own checks. Nothi
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.machinery
 import importlib.util
@@ -332,6 +333,12 @@ def test_every_measurement_is_on_disk_when_the_next_one_runs(tmp_path, qwen):
     assert recs[0]["kv_alloc"]["tokens"] == 4500000 and recs[0]["device"] == "test device"
     assert all(r["command"] == "oscar bench --configs flashinfer" and r["commit"] for r in recs)
     assert servers[0].stopped  # the server is stopped on the way out
+    # --commit names the code where the checkout's git metadata does not (a copied working tree)
+    d.run(dataclasses.replace(cfg, measures=("capacity",), commit="abc1234"), start=start,
+          measures={"capacity": lambda run: []}, gpu=lambda: 1000.0, device="test device",
+          prepare=lambda c: (model, art))
+    assert d.load_records(path)[-1]["commit"] == "abc1234"
+    assert d.load_records(path)[0]["commit"] != "abc1234"
 
 
 # ------------------------------------------------------------------------------------------------ fake SGLang

@@ -393,7 +393,7 @@ def run(cfg: BenchConfig, progress: Progress | None = None, *, start: Callable[.
     deadline = t0 + cfg.budget_s
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    rec = Recorder(out / RESULTS_FILE, device or device_name(), code_version(), cfg.command)
+    rec = Recorder(out / RESULTS_FILE, device or device_name(), cfg.commit or code_version(), cfg.command)
     earlier = load_records(rec.path) if rec.path.is_file() else []
     records: list[dict] = list(earlier)
     model, artifact = (prepare or (lambda c: prepare_model(c.out, _tokenizer(c))))(cfg)

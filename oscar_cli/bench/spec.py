@@ -139,6 +139,7 @@ class BenchConfig:
     extra: tuple[str, ...] = ()
     """Passed to every server after the bench's own flags."""
     command: str = ""
+    commit: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out", Path(self.out))

@@ -106,6 +106,9 @@ def bench_cmd(
     results_md: Annotated[Path | None, typer.Option("--results-md", help="Append the section here (default: "
                                                     "benchmarks/RESULTS.md when measuring, none with --render).")] = None,
     no_results_md: Annotated[bool, typer.Option("--no-results-md", help="Do not append to any RESULTS.md.")] = False,
+    commit: Annotated[str | None, typer.Option("--commit", help="Commit recorded with the results (default: the "
+                                               "checkout's, from git; give it where the checkout's git metadata "
+                                               "is not the code's, e.g. a copied working tree).")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw tokens/s and memory against batch and context "
                                               "into this image.")] = None,
     json_out: JsonOpt = False,
@@ -141,7 +144,7 @@ def bench_cmd(
         latency_contexts=tuple(int(s) for s in latency_contexts.split(",") if s.strip()),
         decode_tokens=decode_tokens, equal_batch=equal_batch, fill=fill, prefill_budget=prefill_budget,
         max_running_requests=max_running, cuda_graph_max_bs=graph_bs, budget_s=budget_s,
-        start_timeout_s=start_timeout, port=port, extra=tuple(ctx.args), command=_command())
+        start_timeout_s=start_timeout, port=port, extra=tuple(ctx.args), command=_command(), commit=commit)
     _bench_errors(_run, d, cfg, json_out)
     records = d.load_records(Path(cfg.out) / d.RESULTS_FILE)
     default_md = Path("benchmarks/RESULTS.md")  # as the other benchmarks: relative to the checkout it runs in
