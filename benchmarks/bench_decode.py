@@ -200,10 +200,14 @@ STEP_VARIANTS_LONG_RECENT = [
     ("exact tile 16 x 5", dict(block_nb=16, exact_splits=5)),
     ("write 2 warps", dict(write_tuning=dict(block_n=1, rot_precision="fma", num_warps=2))),
     ("write 4 warps", dict(write_tuning=dict(block_n=1, rot_precision="fma", num_warps=4))),
+    ("pdl", dict(pdl=True)),
+    ("pdl, pipeline, block_n 64, exact tile 16 x 5", dict(pdl=True, pipeline=True, block_n=64, block_nb=16,
+                                                          exact_splits=5)),
 ]
 """``--variants --recent 256`` (the window the SGLang runs use: ``sink + recent`` exact rows per sequence): the
 software-pipelined split loop, 64-token tiles, 16-row exact tiles over more exact programs (fewer registers: more
-resident warps), cp.async stages, and the K/V write with more warps per program."""
+resident warps), cp.async stages, the K/V write with more warps per program, and programmatic dependent launch
+within a layer's step."""
 STEP_VARIANTS = [
     ("query rotation in its own launch", dict(fuse_q_rotation=False)),
     ("default", {}),

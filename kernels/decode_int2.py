@@ -382,7 +382,7 @@ def _decode_rows_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
     MAGIC: tl.constexpr, DOT_T: tl.constexpr, BF_PV_T: tl.constexpr, OFF64: tl.constexpr,
-    PREFETCH: tl.constexpr, EARLY_V: tl.constexpr, PIPELINE: tl.constexpr,
+    PREFETCH: tl.constexpr, EARLY_V: tl.constexpr, PIPELINE: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -393,7 +393,10 @@ def _decode_rows_kernel(
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
     q_rows = QN + b * stride_qnb + heads[None, :] * stride_qnh  # [1, H]
-    num_splits = _active_splits(NUM_SPLITS, b, max_splits)
+    num_splits = _active_splits(NUM_SPLITS, b, max_splits)  # the plan's: written before the previous launch
+    if PDL:  # launched early: wait for the step's write (q', the new rows), then let the merge launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if split < num_splits:
         # ---------------- INT2 split: tokens x heads tiles ----------------
         offs_w = tl.arange(0, W)
@@ -766,6 +769,7 @@ def _decode_int2_merge_kernel(
     stride_ob, stride_oh, stride_od,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, ROT_ROWS: tl.constexpr, COLS: tl.constexpr, EXACT_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The merge of one (sequence, query head), output columns ``[c * COLS, (c + 1) * COLS)``: partial weights from
     every LSE at once, the weighted sum of the partials ``SPLIT_CHUNK`` at a time (independent loads), then those
@@ -775,8 +779,14 @@ def _decode_int2_merge_kernel(
     h = tl.program_id(1)
     col = tl.program_id(2) * COLS
     kvh = h // GQA
-    num_splits = _active_splits(NUM_SPLITS, b, max_splits)
     offs_d = tl.arange(0, HEAD_DIM)
+    r_base = ROT_V + (kvh * stride_rh if ROT_PER_HEAD else 0)
+    offs_r = tl.arange(0, ROT_ROWS)
+    if PDL:  # launched early: the rotation's rows (all of them when they are one piece) load before the wait
+        if ROT_ROWS == COLS:
+            r_pre = tl.load(r_base + (col + offs_r)[:, None] * stride_rr + offs_d[None, :] * stride_rc)
+        tl.extra.cuda.gdc_wait()
+    num_splits = _active_splits(NUM_SPLITS, b, max_splits)
     offs_p = tl.arange(0, BLOCK_P)
     lse_row = PART_LSE + b * stride_plb + h * stride_plh
     valid = (offs_p < num_splits) | ((offs_p >= max_splits) & (offs_p < max_splits + EXACT_SPLITS))
@@ -796,10 +806,11 @@ def _decode_int2_merge_kernel(
         tile = tl.load(o_row + idx[:, None] * stride_pos + offs_d[None, :], mask=ok[:, None], other=0.0)
         o += tl.sum(w_c[:, None] * tile, 0)
     o = o * tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)
-    r_base = ROT_V + (kvh * stride_rh if ROT_PER_HEAD else 0)
-    offs_r = tl.arange(0, ROT_ROWS)
     for c in tl.static_range(0, COLS, ROT_ROWS):  # out[c] = sum_k o'[k] R_V[c, k]
-        r = tl.load(r_base + (col + c + offs_r)[:, None] * stride_rr + offs_d[None, :] * stride_rc)
+        if PDL and ROT_ROWS == COLS:
+            r = r_pre
+        else:
+            r = tl.load(r_base + (col + c + offs_r)[:, None] * stride_rr + offs_d[None, :] * stride_rc)
         out = tl.sum(r * o[None, :], 1)
         tl.store(OUT + b * stride_ob + h * stride_oh + (col + c + offs_r) * stride_od, out.to(OUT.dtype.element_ty))
 
@@ -972,6 +983,7 @@ def decode_int2(
     prefetch: bool = ROWS_PREFETCH,
     early_v: bool = ROWS_EARLY_V,
     pipeline: bool = ROWS_PIPELINE,
+    pdl: bool = False,
     rotate_q: bool = True,
     block_nb: int | None = None,
 ) -> torch.Tensor:
@@ -998,6 +1010,12 @@ def decode_int2(
         prefetch, early_v: row-scale path: load the next tile's slots one iteration ahead (``ROWS_PREFETCH``); issue
             the value tile's loads with the key tile's (``ROWS_EARLY_V``).
         block_nb: exact rows per tile of the exact split (``BF16_BLOCK_N``).
+        pipeline: row-scale path: software-pipeline the split loop (``ROWS_PIPELINE``).
+        pdl: launch the split kernel and the merge with programmatic dependent launch (Hopper on): each may start
+            while the launch before it still runs and waits (``griddepcontrol.wait``) before reading what that one
+            writes; the merge loads its ``R_V`` rows before waiting. Pair it with a previous launch that lets
+            dependents start early (:func:`~oscar_kernels.quantize_pack.quantize_pack_kv` with
+            ``launch_dependents``); ignored under the interpreter.
         rotate_q: ``False``: the workspace's ``q_rot`` already holds ``q @ R_K * sm_scale * log2(e)`` (fp32, e.g.
             written by the step's K/V write launch, as :meth:`~oscar_kernels.plan.DecodePlan.run` does), so the
             query rotation launch is skipped; ``q`` then only gives the shapes and the output dtype.
@@ -1037,6 +1055,7 @@ def decode_int2(
     if bsz == 0:
         return out
     fp32_dot = not gpu_codegen(q)
+    pdl = bool(pdl) and not fp32_dot  # the interpreter has no grid dependency control
     k, v = cache.k, cache.v
     if rotate_q:
         _rotate_q_kernel[(bsz, hkv)](
@@ -1066,8 +1085,8 @@ def decode_int2(
             BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=block_nb or BF16_BLOCK_N,
             MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
             BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
-            PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline),
-            num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES,
+            PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline), PDL=pdl,
+            num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES, launch_pdl=pdl,
             **({"maxnreg": max_registers} if max_registers else {}),
         )
     else:
@@ -1104,7 +1123,7 @@ def decode_int2(
         *out.stride(),
         GQA=gqa, HEAD_DIM=d, BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1,
         SPLIT_CHUNK=merge_chunk, ROT_ROWS=min(cols, MERGE_ROT_ROWS), COLS=cols, EXACT_SPLITS=index.exact_splits,
-        num_warps=MERGE_WARPS,
+        PDL=pdl, num_warps=MERGE_WARPS, launch_pdl=pdl,
     )
     return out
 

@@ -249,6 +249,8 @@ class DecodePlan(_Plan):
         fuse_q_rotation: :meth:`run` rotates the queries in the launch of the step's K/V write (one launch per
             layer fewer; :func:`~oscar_kernels.quantize_pack.quantize_pack_kv` with ``q``) instead of in
             :func:`~oscar_kernels.decode_int2.decode_int2`'s own query-rotation launch. Default ``True``.
+        pdl: programmatic dependent launch within a layer's step: the write lets the split kernel start early, the
+            split kernel the merge (:func:`~oscar_kernels.decode_int2.decode_int2` ``pdl``). Default ``False``.
         row_kernel, **tuning: passed to :func:`~oscar_kernels.decode_int2.decode_int2` (``block_n``,
             ``num_warps``, ...; defaults are the measured ones).
     """
@@ -257,7 +259,7 @@ class DecodePlan(_Plan):
                  q_heads: int, sm_scale: float | None = None, row_kernel: bool | None = None,
                  split_tokens: int | None = None, min_programs: int | None = None,
                  min_split_tokens: int = MIN_SPLIT_TOKENS, write_tuning: dict | None = None,
-                 exact_splits: int | None = None, fuse_q_rotation: bool = True, **tuning):
+                 exact_splits: int | None = None, fuse_q_rotation: bool = True, pdl: bool = False, **tuning):
         super().__init__(pool, max_batch, max_seq_len, max_batch)
         if q_heads % pool.kv_heads:
             raise ValueError(f"q_heads {q_heads} must be a multiple of the pool's KV heads {pool.kv_heads}")
@@ -273,6 +275,7 @@ class DecodePlan(_Plan):
         """The largest grid split bound of any batch size (a one-sequence batch's, at the default policy)."""
         self.sm_scale = 1.0 / math.sqrt(pool.head_dim) if sm_scale is None else sm_scale
         self.tuning = tuning
+        self.pdl = bool(pdl)
         self.write_tuning = dict(DECODE_WRITE if write_tuning is None else write_tuning)
         self.fuse_q_rotation = fuse_q_rotation
         if exact_splits is None:
@@ -345,11 +348,11 @@ class DecodePlan(_Plan):
         b, n = self._buffers, self.batch
         if not self.fuse_q_rotation:
             self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["bf16_loc"][:n], **self.write_tuning)
-            return self.attend(layer, q, out)
+            return self.attend(layer, q, out)  # its query rotation launch sits between: no early start
         if q.shape != (n, self.q_heads, self.pool.head_dim):
             raise ValueError(f"q must be [{n}, {self.q_heads}, {self.pool.head_dim}], got {tuple(q.shape)}")
         self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["bf16_loc"][:n], q=q, q_out=self._workspace[2],
-                        q_scale=self.sm_scale * LOG2E, **self.write_tuning)
+                        q_scale=self.sm_scale * LOG2E, launch_dependents=self.pdl, **self.write_tuning)
         return self._decode(layer, q, out, rotate_q=False)
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -360,7 +363,8 @@ class DecodePlan(_Plan):
 
     def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor | None, rotate_q: bool) -> torch.Tensor:
         return decode_int2(q, self.pool.layer(layer), self.index, workspace=self._workspace, out=out,
-                           sm_scale=self.sm_scale, row_kernel=self.row_kernel, rotate_q=rotate_q, **self.tuning)
+                           sm_scale=self.sm_scale, row_kernel=self.row_kernel, rotate_q=rotate_q, pdl=self.pdl,
+                           **self.tuning)
 
 
 class ExtendPlan(_Plan):

@@ -120,7 +120,8 @@ def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
 @pytest.mark.parametrize("knobs", [dict(prefetch=True), dict(early_v=True), dict(prefetch=True, early_v=True),
                                    dict(merge_cols=32), dict(merge_cols=16, prefetch=True), dict(block_nb=16),
                                    dict(pipeline=True), dict(pipeline=True, block_n=64, block_nb=16),
-                                   dict(pipeline=True, block_n=16)])
+                                   dict(pipeline=True, block_n=16), dict(pdl=True, merge_cols=32),
+                                   dict(pdl=True, pipeline=True, block_n=64)])
 def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
     """The row-scale kernel's slot prefetch, early value loads and software pipeline (one and several tiles per
     split), the merge split over output columns and the exact split's tile give the reference answer (ragged

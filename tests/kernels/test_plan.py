@@ -96,7 +96,7 @@ DECODE_VARIANTS = {
     "unfused": dict(fuse_q_rotation=False),
     "knobs": dict(prefetch=True, early_v=True, merge_cols=32),
     "exact-splits": dict(exact_splits=3, block_nb=16),
-    "pipeline": dict(pipeline=True, block_n=64, block_nb=16, exact_splits=2),
+    "pipeline": dict(pipeline=True, block_n=64, block_nb=16, exact_splits=2, pdl=True),
 }
 
 
