@@ -192,22 +192,18 @@ STEP_SHAPES = [(1, 8192, 16), (1, 32768, 8), (1, 100000, 4), (16, 131072, 1), (3
 at bs1/100k) is at least twice the H200's 50 MB L2, so every layer reads its codes from HBM, as in a model."""
 STEP_VARIANTS_LONG_RECENT = [
     ("default", {}),
-    ("pipeline, block_n 64", dict(pipeline=True, block_n=64)),
-    ("pipeline, block_n 64, exact tile 16 x 5", dict(pipeline=True, block_n=64, block_nb=16, exact_splits=5)),
-    ("block_n 64, exact tile 16 x 5", dict(block_n=64, block_nb=16, exact_splits=5)),
-    ("block_n 64, exact tile 16 x 5, 1536 programs", dict(block_n=64, block_nb=16, exact_splits=5, min_programs=1536)),
-    ("stages 3, block_n 64, exact tile 16 x 5", dict(num_stages=3, block_n=64, block_nb=16, exact_splits=5)),
-    ("exact tile 16 x 5", dict(block_nb=16, exact_splits=5)),
-    ("write 2 warps", dict(write_tuning=dict(block_n=1, rot_precision="fma", num_warps=2))),
-    ("write 4 warps", dict(write_tuning=dict(block_n=1, rot_precision="fma", num_warps=4))),
-    ("pdl", dict(pdl=True)),
-    ("pdl, pipeline, block_n 64, exact tile 16 x 5", dict(pdl=True, pipeline=True, block_n=64, block_nb=16,
-                                                          exact_splits=5)),
+    ("exact quarters", dict(exact_quarters=True)),
+    ("exact quarters, 1408 programs", dict(exact_quarters=True, min_programs=1408)),
+    ("exact quarters, exact tile 16 x 5, 1536 programs", dict(exact_quarters=True, block_nb=16, exact_splits=5,
+                                                              min_programs=1536)),
+    ("exact quarters, 1408 programs, write 2 warps", dict(exact_quarters=True, min_programs=1408,
+                                                          write_tuning=dict(block_n=1, rot_precision="fma",
+                                                                            num_warps=2))),
 ]
 """``--variants --recent 256`` (the window the SGLang runs use: ``sink + recent`` exact rows per sequence): the
-software-pipelined split loop, 64-token tiles, 16-row exact tiles over more exact programs (fewer registers: more
-resident warps), cp.async stages, the K/V write with more warps per program, and programmatic dependent launch
-within a layer's step."""
+exact split by head-dim quarters (fewer registers, so more resident split programs), with more INT2 splits at small
+batches, and the K/V write with two warps per program. Earlier sets (the software-pipelined loop, 64-token tiles,
+cp.async stages, programmatic dependent launch: RESULTS.md, commit fd2b998) measured slower."""
 STEP_VARIANTS = [
     ("query rotation in its own launch", dict(fuse_q_rotation=False)),
     ("default", {}),
@@ -321,7 +317,7 @@ def main() -> None:
         return
     if args.variants:
         if args.recent > RECENT:  # the exact split's variants, where its rows matter: small batches
-            variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT, STEP_SHAPES[:3] + STEP_SHAPES[4:],
+            variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT, STEP_SHAPES[:3] + STEP_SHAPES[4:5],
                            args.recent)
         else:
             variants_table(gen, args.results, commit, recent=args.recent)

@@ -383,6 +383,7 @@ def _decode_rows_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
     MAGIC: tl.constexpr, DOT_T: tl.constexpr, BF_PV_T: tl.constexpr, OFF64: tl.constexpr,
     PREFETCH: tl.constexpr, EARLY_V: tl.constexpr, PIPELINE: tl.constexpr, PDL: tl.constexpr,
+    EXACT_QUARTERS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -519,33 +520,78 @@ def _decode_rows_kernel(
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
     elif split >= max_splits:
         # ---------------- exact (BF16) split: tokens x heads, natural element order ----------------
-        offs_d = tl.arange(0, HEAD_DIM)
-        qn = tl.load(q_rows + offs_d[:, None], mask=mask_h[None, :], other=0.0).to(DOT_T)  # [d, H]
+        bf_start, bf_lo, bf_hi = _exact_range(BF16_INDPTR, b, split - max_splits, exact_splits, BLOCK_NB)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)  # o'^T
-        bf_start, bf_lo, bf_hi = _exact_range(BF16_INDPTR, b, split - max_splits, exact_splits, BLOCK_NB)
-        for start in range(bf_lo, bf_hi, BLOCK_NB):
-            offs_n = start + tl.arange(0, BLOCK_NB)
-            mask_n = offs_n < bf_hi
-            slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            kb = tl.load(K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :],
-                         mask=mask_n[:, None], other=0.0).to(DOT_T)
-            s = tl.dot(kb, qn)
-            s = tl.where(mask_n[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
-            vb = tl.load(V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
-                         mask=mask_n[:, None], other=0.0).to(BF_PV_T)
-            acc = tl.dot(tl.trans(vb), p.to(BF_PV_T), acc * alpha[None, :])
-            m_i = m_new
-        inv_l, lse = _finish_split(m_i, l_i)
-        tl.store(PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + offs_d[:, None],
-                 acc * inv_l[None, :], mask=mask_h[None, :])
+        if EXACT_QUARTERS:  # rows read and multiplied a quarter of the head dim at a time: fewer live registers
+            offs_e = tl.arange(0, D4)
+            qe = q_rows + offs_e[:, None]
+            mq = mask_h[None, :]
+            qe0 = tl.load(qe + 0 * D4, mask=mq, other=0.0).to(DOT_T)  # [d/4, H]
+            qe1 = tl.load(qe + 1 * D4, mask=mq, other=0.0).to(DOT_T)
+            qe2 = tl.load(qe + 2 * D4, mask=mq, other=0.0).to(DOT_T)
+            qe3 = tl.load(qe + 3 * D4, mask=mq, other=0.0).to(DOT_T)
+            e0 = tl.zeros([D4, BLOCK_H], tl.float32)  # quarters of o'^T
+            e1 = tl.zeros([D4, BLOCK_H], tl.float32)
+            e2 = tl.zeros([D4, BLOCK_H], tl.float32)
+            e3 = tl.zeros([D4, BLOCK_H], tl.float32)
+            for start in range(bf_lo, bf_hi, BLOCK_NB):
+                offs_n = start + tl.arange(0, BLOCK_NB)
+                mask_n = offs_n < bf_hi
+                slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+                mn = mask_n[:, None]
+                k_rows = K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_e[None, :]
+                s = tl.dot(tl.load(k_rows + 0 * D4, mask=mn, other=0.0).to(DOT_T), qe0)
+                s = tl.dot(tl.load(k_rows + 1 * D4, mask=mn, other=0.0).to(DOT_T), qe1, s)
+                s = tl.dot(tl.load(k_rows + 2 * D4, mask=mn, other=0.0).to(DOT_T), qe2, s)
+                s = tl.dot(tl.load(k_rows + 3 * D4, mask=mn, other=0.0).to(DOT_T), qe3, s)
+                s = tl.where(mn, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 0))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[None, :])
+                l_i = l_i * alpha + tl.sum(p, 0)
+                pv = p.to(BF_PV_T)
+                v_rows = V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_e[None, :]
+                e0 = tl.dot(tl.trans(tl.load(v_rows + 0 * D4, mask=mn, other=0.0).to(BF_PV_T)), pv,
+                            e0 * alpha[None, :])
+                e1 = tl.dot(tl.trans(tl.load(v_rows + 1 * D4, mask=mn, other=0.0).to(BF_PV_T)), pv,
+                            e1 * alpha[None, :])
+                e2 = tl.dot(tl.trans(tl.load(v_rows + 2 * D4, mask=mn, other=0.0).to(BF_PV_T)), pv,
+                            e2 * alpha[None, :])
+                e3 = tl.dot(tl.trans(tl.load(v_rows + 3 * D4, mask=mn, other=0.0).to(BF_PV_T)), pv,
+                            e3 * alpha[None, :])
+                m_i = m_new
+            inv_l, lse = _finish_split(m_i, l_i)
+            il = inv_l[None, :]
+            o_rows = PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + offs_e[:, None]
+            tl.store(o_rows + 0 * D4, e0 * il, mask=mq)
+            tl.store(o_rows + 1 * D4, e1 * il, mask=mq)
+            tl.store(o_rows + 2 * D4, e2 * il, mask=mq)
+            tl.store(o_rows + 3 * D4, e3 * il, mask=mq)
+        else:
+            offs_d = tl.arange(0, HEAD_DIM)
+            qn = tl.load(q_rows + offs_d[:, None], mask=mask_h[None, :], other=0.0).to(DOT_T)  # [d, H]
+            acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)  # o'^T
+            for start in range(bf_lo, bf_hi, BLOCK_NB):
+                offs_n = start + tl.arange(0, BLOCK_NB)
+                mask_n = offs_n < bf_hi
+                slot = tl.load(BF16_INDICES + bf_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+                kb = tl.load(K_BF16 + slot[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :],
+                             mask=mask_n[:, None], other=0.0).to(DOT_T)
+                s = tl.dot(kb, qn)
+                s = tl.where(mask_n[:, None], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 0))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[None, :])
+                l_i = l_i * alpha + tl.sum(p, 0)
+                vb = tl.load(V_BF16 + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
+                             mask=mask_n[:, None], other=0.0).to(BF_PV_T)
+                acc = tl.dot(tl.trans(vb), p.to(BF_PV_T), acc * alpha[None, :])
+                m_i = m_new
+            inv_l, lse = _finish_split(m_i, l_i)
+            tl.store(PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + offs_d[:, None],
+                     acc * inv_l[None, :], mask=mask_h[None, :])
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
-
 
 @triton.jit
 def _pad_k(x):
@@ -984,6 +1030,7 @@ def decode_int2(
     early_v: bool = ROWS_EARLY_V,
     pipeline: bool = ROWS_PIPELINE,
     pdl: bool = False,
+    exact_quarters: bool = False,
     rotate_q: bool = True,
     block_nb: int | None = None,
 ) -> torch.Tensor:
@@ -1011,6 +1058,9 @@ def decode_int2(
             the value tile's loads with the key tile's (``ROWS_EARLY_V``).
         block_nb: exact rows per tile of the exact split (``BF16_BLOCK_N``).
         pipeline: row-scale path: software-pipeline the split loop (``ROWS_PIPELINE``).
+        exact_quarters: row-scale path: the exact split reads and multiplies its rows a quarter of the head dim at a
+            time (184 registers instead of 233 for the kernel at d = 128 with 32-row exact tiles: more resident
+            programs).
         pdl: launch the split kernel and the merge with programmatic dependent launch (Hopper on): each may start
             while the launch before it still runs and waits (``griddepcontrol.wait``) before reading what that one
             writes; the merge loads its ``R_V`` rows before waiting. Pair it with a previous launch that lets
@@ -1085,7 +1135,7 @@ def decode_int2(
             BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=block_nb or BF16_BLOCK_N,
             MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
             BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
-            PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline), PDL=pdl,
+            PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline), PDL=pdl, EXACT_QUARTERS=bool(exact_quarters),
             num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES, launch_pdl=pdl,
             **({"maxnreg": max_registers} if max_registers else {}),
         )

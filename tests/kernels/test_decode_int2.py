@@ -121,10 +121,11 @@ def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
                                    dict(merge_cols=32), dict(merge_cols=16, prefetch=True), dict(block_nb=16),
                                    dict(pipeline=True), dict(pipeline=True, block_n=64, block_nb=16),
                                    dict(pipeline=True, block_n=16), dict(pdl=True, merge_cols=32),
-                                   dict(pdl=True, pipeline=True, block_n=64)])
+                                   dict(pdl=True, pipeline=True, block_n=64), dict(exact_quarters=True),
+                                   dict(exact_quarters=True, block_nb=16)])
 def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
-    """The row-scale kernel's slot prefetch, early value loads and software pipeline (one and several tiles per
-    split), the merge split over output columns and the exact split's tile give the reference answer (ragged
+    """The row-scale kernel's slot prefetch, early value loads, software pipeline (one and several tiles per
+    split) and exact rows by head-dim quarters, the merge split over output columns and the exact split's tile give the reference answer (ragged
     lengths, per-sequence split counts, NaN-poisoned workspace and out); the general path takes the merge and
     exact-tile knobs too (g = 32)."""
     gen = torch.Generator().manual_seed(211 + len(knobs) + knobs.get("merge_cols", 0))

@@ -97,12 +97,14 @@ DECODE_VARIANTS = {
     "knobs": dict(prefetch=True, early_v=True, merge_cols=32),
     "exact-splits": dict(exact_splits=3, block_nb=16),
     "pipeline": dict(pipeline=True, block_n=64, block_nb=16, exact_splits=2, pdl=True),
+    "exact-quarters": dict(exact_quarters=True, exact_splits=2),
 }
 
 
 @pytest.mark.parametrize("case,write", [(c, "default") for c in range(len(CASES))]
                          + [(0, "fma"), (1, "tf32x3-write"), (1, "unfused"), (1, "knobs"), (0, "exact-splits"),
-                            (1, "exact-splits"), (2, "pipeline")])
+                            (1, "exact-splits"), (2, "pipeline"),
+                            (0, "exact-quarters")])
 def test_prefill_then_decode_matches_design_p(case, write):
     """One extend over three requests (scattered slots, request order != pool order, left padding), then decode steps
     on the SAME plan buffers with new lengths each step (ring wrap-around included): every output is Design P. The
