@@ -199,10 +199,13 @@ STEP_VARIANTS_LONG_RECENT = [
     ("exact quarters, 1408 programs, write 2 warps", dict(exact_quarters=True, min_programs=1408,
                                                           write_tuning=dict(block_n=1, rot_precision="fma",
                                                                             num_warps=2))),
+    ("exact quarters, 1408 programs, merge cols 64", dict(exact_quarters=True, min_programs=1408, merge_cols=64)),
+    ("exact quarters, early V", dict(exact_quarters=True, early_v=True)),
+    ("exact quarters, early V, no prefetch", dict(exact_quarters=True, early_v=True, prefetch=False)),
 ]
 """``--variants --recent 256`` (the window the SGLang runs use: ``sink + recent`` exact rows per sequence): the
 exact split by head-dim quarters (fewer registers, so more resident split programs), with more INT2 splits at small
-batches, and the K/V write with two warps per program. Earlier sets (the software-pipelined loop, 64-token tiles,
+batches, the merge over 64 columns, early value loads (room for them now), and the K/V write with two warps. Earlier sets (the software-pipelined loop, 64-token tiles,
 cp.async stages, programmatic dependent launch: RESULTS.md, commit fd2b998) measured slower."""
 STEP_VARIANTS = [
     ("query rotation in its own launch", dict(fuse_q_rotation=False)),
@@ -317,7 +320,7 @@ def main() -> None:
         return
     if args.variants:
         if args.recent > RECENT:  # the exact split's variants, where its rows matter: small batches
-            variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT, STEP_SHAPES[:3] + STEP_SHAPES[4:5],
+            variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT, STEP_SHAPES[:3] + STEP_SHAPES[4:],
                            args.recent)
         else:
             variants_table(gen, args.results, commit, recent=args.recent)
