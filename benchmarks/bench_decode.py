@@ -205,8 +205,9 @@ STEP_VARIANTS_LONG_RECENT = [
 ]
 """``--variants --recent 256`` (the window the SGLang runs use: ``sink + recent`` exact rows per sequence): the
 exact split by head-dim quarters (fewer registers, so more resident split programs), with more INT2 splits at small
-batches, the merge over 64 columns, early value loads (room for them now), and the K/V write with two warps. Earlier sets (the software-pipelined loop, 64-token tiles,
-cp.async stages, programmatic dependent launch: RESULTS.md, commit fd2b998) measured slower."""
+batches, the merge over 64 columns, early value loads (room for them now), and the K/V write with two warps. The set
+before (the software-pipelined loop, 64-token tiles, cp.async stages, programmatic dependent launch: RESULTS.md,
+commit fd2b998) measured slower."""
 STEP_VARIANTS = [
     ("query rotation in its own launch", dict(fuse_q_rotation=False)),
     ("default", {}),
