@@ -163,9 +163,10 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
         dec = DecodePlan(pool, 2, 128, q_heads=hq, fuse_q_rotation=False, exact_splits=3)
         dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
-        # programmatic dependent launch (grid dependency control in the write, split kernel and merge) and the
-        # software-pipelined split loop over 64-token tiles
-        dec = DecodePlan(pool, 2, 128, q_heads=hq, pdl=True, pipeline=True, block_n=64, block_nb=16, exact_splits=2)
+        # programmatic dependent launch (grid dependency control in the write, split kernel and merge), the
+        # software-pipelined split loop over 64-token tiles and the exact rows by head-dim quarters
+        dec = DecodePlan(pool, 2, 128, q_heads=hq, pdl=True, pipeline=True, block_n=64, block_nb=16, exact_splits=2,
+                         exact_quarters=True)
         dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
 
