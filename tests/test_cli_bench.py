@@ -9,6 +9,7 @@ import gzip
 import importlib.machinery
 import importlib.util
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -359,6 +360,8 @@ class FakeSGLang:
         self.log, self.max_total, self.lock = log, max_total, threading.Lock()
         self.active, self.used, self.seen, self.profiles, self.arrived = 0, 0, [], [], 0.0
         self.requests: list[tuple[int, int]] = []  # (prompt tokens, max_new_tokens) of every /generate
+        self.null_flag: str | None = None  # OSCAR_BENCH_NULL_FILL of its environment (--fill null)
+        self.flag_at: list[tuple[bool, bool]] = []  # (at arrival, at the last token) the flag file existed
         kind = "OSCAR INT2 " if oscar else ""
         lines = [f"[t] {kind}KV Cache is allocated. dtype: torch.bfloat16, #tokens: {max_total}, K size: 0.25 GB, "
                  "V size: 0.25 GB", f"[t] max_total_num_tokens={max_total}, max_running_requests={mrr}"]
@@ -425,11 +428,14 @@ class FakeSGLang:
                 with fake.lock:
                     fake.active += 1
                     fake.used += len(ids)
+                flag = fake.null_flag is not None and os.path.exists(fake.null_flag)
                 try:
                     for i in range(1, n + 1):
                         time.sleep(TOKEN_S)
                         meta = {"completion_tokens": i, "cached_tokens": cached, "prompt_tokens": len(ids)}
                         self.chunk(b"data: " + json.dumps({"meta_info": meta}).encode() + b"\n\n")
+                    if fake.null_flag is not None:
+                        fake.flag_at.append((flag, os.path.exists(fake.null_flag)))
                     self.chunk(b"data: [DONE]\n\n")
                     self.wfile.write(b"0\r\n\r\n")
                 finally:
@@ -581,6 +587,36 @@ def test_measurements_through_a_fake_sglang_server(tmp_path, qwen, monkeypatch):
     assert "| oscar | INT2 g128 s64/r256 | 30,000 | 7.32x | 29 | 12/12 @512 |" in section  # 29 fit, 12 slots
 
 
+def test_null_fill_holds_the_flag_until_every_stream_decodes(tmp_path, qwen, monkeypatch):
+    """--fill null: the servers get the flag path and the benchmark plugin; the flag exists while the distinct
+    prompts arrive (their extends would skip the model) and is gone before they finish and after the run."""
+    _, model, art = qwen
+    monkeypatch.setattr(d.server, "POLL_S", 0.01)
+    cfg = d.BenchConfig(out=tmp_path, configs=("flashinfer",), measures=("throughput",), context_length=2048,
+                        long_context=1024, admission_context=512, latency_contexts=(512,), decode_tokens=80, fill="null",
+                        budget_s=60, command="oscar bench (null)")
+    fakes = []
+
+    def start(config, cfg_, model_, artifact, timeout):
+        argv, env = d.server_argv(config, cfg_, model_, artifact, tmp_path / "profiles")
+        assert env["SGLANG_PLUGINS"] == "oscar_bench_fill"
+        fakes.append(FakeSGLang(tmp_path / f"{config.name}.log", 4096, 100, oscar=False))
+        fakes[-1].null_flag = env["OSCAR_BENCH_NULL_FILL"]
+        return FakeProcess(fakes[-1], argv)
+
+    recs = d.run(cfg, start=start, gpu=lambda: 2048.0, device="fake", prepare=lambda c: (model, art))
+    tp = [r for r in recs if r["measure"] == "throughput"]
+    assert tp and all(r["fill"] == "null" and not r.get("errors") for r in tp), tp
+    flag = Path(fakes[0].null_flag)
+    assert flag == (tmp_path / d.NULL_FILL_FLAG).resolve() and not flag.exists()
+    assert fakes[0].requests and {n for _, n in fakes[0].requests} == {80}
+    assert len({tuple(ids) for ids in fakes[0].seen}) == len(fakes[0].seen)  # distinct prompts
+    assert fakes[0].flag_at and all(at_start and not at_end for at_start, at_end in fakes[0].flag_at), \
+        fakes[0].flag_at
+    assert " N" in d.summary_rows(recs)[0][8] and "N = distinct prompts whose prefill skipped" in \
+        d.results_section(recs)
+
+
 # ------------------------------------------------------------------------------------------------ model, plugin
 def test_generated_model_and_artifact_pass_the_plugins_checks(qwen):
     from oscar_cli.artifact import load_artifact
@@ -647,7 +683,13 @@ def test_server_argv_goes_through_build_launch_and_keeps_baselines_plugin_free(q
     fp8, env8 = d.server_argv(d.CONFIGS["flashinfer-fp8"], cfg, model, None, tmp_path / "p")
     assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and fp8[fp8.index("--attention-backend") + 1] == \
         "flashinfer"
-    assert env8["SGLANG_PLUGINS"] == "none"
+    assert env8["SGLANG_PLUGINS"] == "none" and "OSCAR_BENCH_NULL_FILL" not in env8
+    null = d.BenchConfig(out=tmp_path, fill="null")  # the benchmark plugin beside oscar's, or alone
+    flag = str((tmp_path / d.NULL_FILL_FLAG).resolve())
+    _, env_o = d.server_argv(d.CONFIGS["oscar"], null, model, art, tmp_path / "p")
+    _, env_b = d.server_argv(d.CONFIGS["flashinfer"], null, model, None, tmp_path / "p")
+    assert env_o["SGLANG_PLUGINS"] == "oscar,oscar_bench_fill" and env_o["OSCAR_BENCH_NULL_FILL"] == flag
+    assert env_b["SGLANG_PLUGINS"] == "oscar_bench_fill" and env_b["OSCAR_BENCH_NULL_FILL"] == flag
     bf16, _ = d.server_argv(d.CONFIGS["triton"], cfg, model, None, tmp_path / "p")
     assert "--kv-cache-dtype" not in bf16
     with pytest.raises(ServeRefusal, match="--kv-cache-dtype"):  # the plugin's own refusal, through build_launch

@@ -53,8 +53,13 @@ run with ``SGLANG_PLUGINS=none`` (no plugin loaded: unmodified SGLang). Configur
   prompts (B x L tokens of real prefill); ``prefix`` prefills one shared (L - decode - 32)-token prefix once and
   sends B requests of that prefix plus a distinct 32-token suffix (``cached_tokens`` checked on a probe first), so
   every step still attends over B x L positions but the pool holds one prefix (and the B streams read the same
-  prefix slots, which L2 may serve more than once: an optimistic fill); ``auto`` (default) prefills when
-  B x L <= ``--prefill-budget`` tokens (400k) and reuses the prefix otherwise. Every row says which.
+  prefix slots, which L2 may serve more than once: an optimistic fill); ``null`` sends B distinct random prompts
+  whose prefill skips the model (every server loads the benchmark plugin ``oscar_bench_fill``, which, while the
+  flag file ``OUT/null-fill.flag`` exists, returns zero logits for extend forwards without running them; the flag is
+  removed once every stream has its first token): each request holds its own pages at the full context, their
+  values whatever the pool held, and the timed steps are real decode forwards over B x L distinct positions, for
+  about no prefill time; ``auto`` (default) prefills when B x L <= ``--prefill-budget`` tokens (400k) and reuses
+  the prefix otherwise. Every row says which.
 * ``latency``: batch-1 inter-token latency (median of streamed token gaps) and time to first token at 8k, 32k and
   100k contexts (``--latency-contexts``), each prompt really prefilled.
 * ``profile`` (``--profile``): oscar and BF16 only; SGLang's own ``/start_profile`` (torch profiler, GPU activity,
@@ -133,6 +138,7 @@ from .server import (
 from .spec import (
     CONFIGS,
     MEASURES,
+    NULL_FILL_FLAG,
     PROFILE_STEPS,
     QWEN3_8B_SHAPED,
     RESULTS_FILE,
@@ -147,7 +153,7 @@ from .spec import (
 )
 
 __all__ = [
-    "CONFIGS", "MEASURES", "PROFILE_HEADERS", "PROFILE_STEPS", "Progress", "QWEN3_8B_SHAPED", "RESULTS_FILE", "SUFFIX_TOKENS", "SUMMARY_HEADERS", "BenchConfig",
+    "CONFIGS", "MEASURES", "NULL_FILL_FLAG", "PROFILE_HEADERS", "PROFILE_STEPS", "Progress", "QWEN3_8B_SHAPED", "RESULTS_FILE", "SUFFIX_TOKENS", "SUMMARY_HEADERS", "BenchConfig",
     "BenchError", "Recorder", "Server", "ServerError", "Stream", "append_results", "check_with_plugin", "decode_lines",
     "decode_window", "http_json", "kv_allocation", "load_records", "max_tokens_from_log", "missing_runtime",
     "model_fingerprint", "notes", "oscar_budget", "parse_names", "plot", "plot_series", "prepare_model",

@@ -39,6 +39,7 @@ from .spec import (
     ELEMENTS_PER_TOKEN,
     FIRST_TOKEN_ID,
     MIN_MEASURE_S,
+    NULL_FILL_FLAG,
     PREFILL_FLOOR_TOK_S,
     PREFIX_SLACK,
     PROFILE_STEPS,
@@ -112,8 +113,10 @@ class Run:
             pass
         self._prefix = None
 
-    def generate(self, prompts: list[list[int]], new_tokens: int, timeout: float, what: str) -> list[Stream]:
-        """Stream all ``prompts`` at once; abort what is still running at ``timeout``."""
+    def generate(self, prompts: list[list[int]], new_tokens: int, timeout: float, what: str,
+                 all_started: Callable[[], None] | None = None) -> list[Stream]:
+        """Stream all ``prompts`` at once; abort what is still running at ``timeout``. ``all_started`` is called once,
+        as soon as every stream has its first token."""
         streams = [Stream(prompt_tokens=len(p)) for p in prompts]
         threads = [threading.Thread(target=stream_generate, args=(self.server.url, p, new_tokens, timeout, s),
                                     daemon=True) for p, s in zip(prompts, streams, strict=True)]
@@ -125,6 +128,9 @@ class Run:
             if not alive:
                 break
             done, first = sum(s.tokens for s in streams), sum(1 for s in streams if s.events)
+            if all_started is not None and first == len(streams):
+                all_started()
+                all_started = None
             self.progress.describe(f"{self.config.name}: {what}: {first}/{len(streams)} decoding, {done} tokens")
             alive[0].join(timeout=min(0.5, max(0.0, end - time.perf_counter())))
         if any(t.is_alive() for t in threads):
@@ -217,7 +223,7 @@ def decode_at(run: Run, batch: int, context: int, roles: list[str]) -> dict:
     """One throughput point: ``batch`` requests at ``context`` tokens, filled as :func:`fill_for` says."""
     cfg = run.cfg
     fill = fill_for(cfg, batch, context)
-    if fill == "prefill":
+    if fill in ("prefill", "null"):
         run.flush()
     cached = None
     if fill == "prefix":
@@ -229,8 +235,15 @@ def decode_at(run: Run, batch: int, context: int, roles: list[str]) -> dict:
         prefill_tokens = batch * (context - cfg.decode_tokens)
     mark = run.server.log_size()
     timeout = run.ceiling(prefill_tokens, cfg.decode_tokens, batch, context)
-    with Monitor(run.server.url, run.gpu) as mon:
-        streams = run.generate(prompts, cfg.decode_tokens, timeout, f"decode bs{batch} at {context} ({fill})")
+    flag = Path(cfg.out) / NULL_FILL_FLAG
+    if fill == "null":  # the servers' extends skip the model until every request has its first token
+        flag.touch()
+    try:
+        with Monitor(run.server.url, run.gpu) as mon:
+            streams = run.generate(prompts, cfg.decode_tokens, timeout, f"decode bs{batch} at {context} ({fill})",
+                                   all_started=lambda: flag.unlink(missing_ok=True))
+    finally:
+        flag.unlink(missing_ok=True)
     win = decode_window(streams)
     srv = server_decode_rate(run.server.log_text(mark), batch)
     errors = sorted({s.error for s in streams if s.error})

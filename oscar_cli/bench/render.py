@@ -63,7 +63,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 def _fill_mark(r: dict | None) -> str:
     if r is None:
         return ""
-    return {"prefill": " P", "prefix": " R"}.get(r.get("fill", ""), "")
+    return {"prefill": " P", "prefix": " R", "null": " N"}.get(r.get("fill", ""), "")
 
 
 def _peak_gib(records: list[dict], config: str) -> float | None:
@@ -204,7 +204,8 @@ def results_section(records: list[dict]) -> str:
               "allocation over its token capacity (oscar: with the exact regions of every request slot and anchor). "
               "tok/s: decode tokens/s of all streams while all were decoding, at a "
               f"{tokens_label(long_ctx)} context; P = distinct prompts really prefilled, R = one shared prefix reused "
-              "(each step still attends over batch x context positions; the pool holds the prefix once). "
+              "(each step still attends over batch x context positions; the pool holds the prefix once), N = distinct "
+              "prompts whose prefill skipped the model (distinct pages, values left as the pool held them). "
               "ITL: batch-1 median inter-token latency, prompt really prefilled. peak GiB: nvidia-smi, whole device."]
     prof = profile_rows(records)
     if prof:

@@ -76,7 +76,10 @@ RUN_ORDER = ("capacity", "throughput", "profile", "latency")
 """The order measurements run in: the profile reuses the throughput's shared prefix before latency flushes it."""
 PROFILED = ("oscar", "flashinfer", "triton")
 """Configurations ``profile`` runs for: oscar against BF16."""
-FILLS = ("auto", "prefill", "prefix")
+FILLS = ("auto", "prefill", "prefix", "null")
+NULL_FILL_FLAG = "null-fill.flag"
+"""Under ``--out``: the flag file of a ``null`` fill (its path goes to every server as ``OSCAR_BENCH_NULL_FILL``;
+while it exists their extend forwards skip the model, :mod:`oscar_cli.serve.sglang.bench_fill`)."""
 
 COMMON_FLAGS = ("--load-format", "dummy", "--sampling-backend", "pytorch", "--log-level", "info",
                 "--decode-log-interval", "10")
@@ -304,6 +307,12 @@ def server_argv(config: ServeConfig, cfg: BenchConfig, model: Path, artifact: Pa
     flags = [*COMMON_FLAGS, "--mem-fraction-static", str(cfg.mem_fraction), "--context-length",
              str(cfg.context_length), "--cuda-graph-max-bs-decode", str(cfg.cuda_graph_max_bs)]
     env = {"SGLANG_TORCH_PROFILER_DIR": str(Path(profile_dir).resolve())}
+    plugins = []
+    if cfg.fill == "null":  # the benchmark plugin, loaded beside oscar or alone
+        from oscar_cli.serve.sglang.bench_fill import FLAG_ENV, PLUGIN
+
+        env[FLAG_ENV] = str((Path(cfg.out) / NULL_FILL_FLAG).resolve())
+        plugins.append(PLUGIN)
     if config.backend == "oscar":
         from oscar_cli.serve.sglang.launch import build_launch
 
@@ -311,9 +320,11 @@ def server_argv(config: ServeConfig, cfg: BenchConfig, model: Path, artifact: Pa
             raise BenchError("the oscar configuration needs an artifact")
         flags += ["--max-running-requests", str(cfg.max_running_requests)]
         argv, plugin_env = build_launch(str(model), Path(artifact), "127.0.0.1", cfg.port, [*flags, *cfg.extra])
-        return argv, {**env, **plugin_env}
+        for k, v in plugin_env.items():
+            env[k] = ",".join([v, *plugins]) if k == "SGLANG_PLUGINS" else v
+        return argv, env
     if config.kv_dtype is not None:
         flags += ["--kv-cache-dtype", config.kv_dtype]
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
             "--port", str(cfg.port), "--attention-backend", config.backend, *flags, *cfg.extra]
-    return argv, {**env, "SGLANG_PLUGINS": NO_PLUGINS}
+    return argv, {**env, "SGLANG_PLUGINS": ",".join(plugins) or NO_PLUGINS}

@@ -88,7 +88,10 @@ def bench_cmd(
                                                     "(default: the BF16 largest batch recorded)")] = None,
     fill: Annotated[str, typer.Option("--fill", help="How the cache of a throughput batch is filled: prefill "
                                       "(distinct prompts), prefix (one shared prefix reused), auto (prefill up to "
-                                      "--prefill-budget tokens).")] = "auto",
+                                      "--prefill-budget tokens), null (distinct prompts whose prefill skips the "
+                                      "model: each request gets its own pages at the full context for about no "
+                                      "prefill time; the benchmark plugin oscar_bench_fill is loaded in every "
+                                      "server).")] = "auto",
     prefill_budget: Annotated[int, typer.Option("--prefill-budget", help="Largest batch x context that --fill auto "
                                                 "really prefills.")] = 400_000,
     max_running: Annotated[int, typer.Option("--max-running-requests", help="oscar's request slots (the baselines "

@@ -131,15 +131,19 @@ def test_live_signature_check_sees_a_changed_function():
         del sys.modules["fake_sglang_mod"]
 
 
-def test_entry_point_is_declared_and_callable():
+def test_entry_point_is_declared_and_callable(monkeypatch):
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     eps = meta["project"]["entry-points"]["sglang.srt.plugins"]
-    assert eps == {"oscar": "oscar_cli.serve.sglang:register"}
+    assert eps == {"oscar": "oscar_cli.serve.sglang:register",
+                   "oscar_bench_fill": "oscar_cli.serve.sglang.bench_fill:register"}
     assert meta["project"]["optional-dependencies"]["serve"] == [SPEC]
     assert "oscar_cli.serve.sglang" in meta["tool"]["setuptools"]["packages"]
     from oscar_cli.serve import sglang
+    from oscar_cli.serve.sglang import bench_fill
 
     assert callable(sglang.register)
+    monkeypatch.delenv(bench_fill.FLAG_ENV, raising=False)
+    assert bench_fill.register() is None  # OSCAR_BENCH_NULL_FILL unset: registers nothing, imports no SGLang
 
 
 def test_plugin_imports_need_neither_sglang_nor_transformers():
@@ -147,6 +151,7 @@ def test_plugin_imports_need_neither_sglang_nor_transformers():
     which only its hooks and classes import, inside functions)."""
     code = ("import sys\n"
             "import oscar_cli.serve.sglang, oscar_cli.serve.sglang.plugin, oscar_cli.serve.sglang.launch\n"
+            "import oscar_cli.serve.sglang.bench_fill\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'sglang'))\n"
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)

@@ -183,6 +183,16 @@ SERVER_ARGS = _fields(_SA, "ServerArgs",
                       "device, cuda_graph_backend_prefill, cuda_graph_config, disable_radix_cache, "
                       "chunked_prefill_size, max_prefill_tokens",
                       "the refusals and sizing read these")
+HOOK_FORWARD = _fn("sglang.srt.model_executor.model_runner", "ModelRunner.forward",
+                   "self, forward_batch, skip_attn_backend_init, pp_proxy_tensors, reinit_attn_backend, "
+                   "split_forward_count",
+                   "AROUND hook of the benchmark plugin (oscar bench --fill null): extends that skip the model")
+NULL_FILL_OUTPUT = (
+    _fields("sglang.srt.layers.logits_processor", "LogitsProcessorOutput", "next_token_logits, hidden_states",
+            "what a skipped extend returns"),
+    _fields("sglang.srt.model_executor.model_runner", "ModelRunnerOutput", "logits_output, can_run_graph",
+            "what a skipped extend returns"),
+)
 ENVS = _fields("sglang.srt.environ", "Envs", "SGLANG_PLUGINS, SGLANG_ENABLE_POST_CAPTURE_KV_SIZING",
                "the plugin whitelist; post-capture KV sizing (refused)")
 
@@ -191,7 +201,7 @@ TARGETS: tuple[Target, ...] = (
     HOOK_REGISTER, HOOK_TYPE, ATTENTION_BACKEND, *BACKEND_METHODS, KV_CACHE, *KV_CACHE_METHODS, RADIX_CACHE,
     *RADIX_METHODS, RADIX_KEY, MATCH_PARAMS, CACHE_PARAMS, ALLOCATOR_GET_KVCACHE, EXTRA_CONTEXT_LEN, TREE_CONTEXT, FORWARD_BATCH, *FORWARD_MODE, KV_CONFIGURATOR, LAYER_INFO,
     PARALLEL_STATE, MODEL_CONFIG, GET_NUM_KV_HEADS, MODEL_RUNNER, REQ_TO_TOKEN_POOL, RADIX_ATTENTION, REQ,
-    RADIX_CACHE_FIELDS, SERVER_ARGS, ENVS,
+    RADIX_CACHE_FIELDS, SERVER_ARGS, ENVS, HOOK_FORWARD, *NULL_FILL_OUTPUT,
 )
 
 
