@@ -298,19 +298,25 @@ def _finish_split(m_i, l_i):
 
 
 @triton.jit
-def _rows_tile_loads(K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w,
-                     stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
-                     stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh):
-    """One row-scale tile's loads: key and value code words ``[N, d/8]`` and scales/zeros ``[N]`` in their stored
-    dtype. Masked tokens read slot 0 (any bits: their score is -inf) with value scale and zero 0 (their ``p*s`` and
-    ``p*z`` must be 0)."""
+def _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, slot, kvh, offs_w, stride_kws, stride_kwh, stride_kss, stride_ksh,
+                  stride_kzs, stride_kzh):
+    """A row-scale tile's key loads: code words ``[N, d/8]``, scales and zeros ``[N]`` in their stored dtype (masked
+    tokens read slot 0, any bits: their score is -inf)."""
     kw = tl.load(K_WORDS + slot[:, None] * stride_kws + kvh * stride_kwh + offs_w[None, :])
     ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh)
     kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh)
+    return kw, ks, kz
+
+
+@triton.jit
+def _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vws, stride_vwh, stride_vss, stride_vsh,
+                  stride_vzs, stride_vzh):
+    """A row-scale tile's value loads, as :func:`_rows_k_loads`; masked tokens get scale and zero 0 (their ``p*s``
+    and ``p*z`` must be 0)."""
     vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
     vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0)
     vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0)
-    return kw, ks, kz, vw, vs, vz
+    return vw, vs, vz
 
 
 @triton.jit
@@ -451,10 +457,10 @@ def _decode_rows_kernel(
             slot = tl.load(KV_INDICES + kv_start + lo + offs_t, mask=lo + offs_t < hi, other=0)
             if OFF64:
                 slot = slot.to(tl.int64)
-            kw_n, ks_n, kz_n, vw_n, vs_n, vz_n = _rows_tile_loads(
-                K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, slot, lo + offs_t < hi, kvh, offs_w,
-                stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
-                stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
+            kw_n, ks_n, kz_n = _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, slot, kvh, offs_w, stride_kws, stride_kwh,
+                                             stride_kss, stride_ksh, stride_kzs, stride_kzh)
+            vw_n, vs_n, vz_n = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, lo + offs_t < hi, kvh, offs_w,
+                                             stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
             slot_next = tl.load(KV_INDICES + kv_start + lo + BLOCK_N + offs_t, mask=lo + BLOCK_N + offs_t < hi, other=0)
             for start in range(lo, hi, BLOCK_N):
                 mask_n = start + offs_t < hi
@@ -462,10 +468,11 @@ def _decode_rows_kernel(
                 slot = slot_next
                 if OFF64:
                     slot = slot.to(tl.int64)
-                kw_n, ks_n, kz_n, vw_n, vs_n, vz_n = _rows_tile_loads(
-                    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, slot, start + BLOCK_N + offs_t < hi, kvh,
-                    offs_w, stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
-                    stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
+                kw_n, ks_n, kz_n = _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, slot, kvh, offs_w, stride_kws,
+                                                 stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh)
+                vw_n, vs_n, vz_n = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, start + BLOCK_N + offs_t < hi, kvh,
+                                                 offs_w, stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs,
+                                                 stride_vzh)
                 nxt = start + 2 * BLOCK_N + offs_t
                 slot_next = tl.load(KV_INDICES + kv_start + nxt, mask=nxt < hi, other=0)
                 p, alpha, m_i, l_i = _rows_scores(kw, ks.to(tl.float32), kz.to(tl.float32), mask_n, q0, q1, q2, q3,
@@ -487,20 +494,16 @@ def _decode_rows_kernel(
                     slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0)
                 if OFF64:
                     slot = slot.to(tl.int64)
-                kw = tl.load(K_WORDS + slot[:, None] * stride_kws + kvh * stride_kwh + offs_w[None, :])
-                ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh).to(tl.float32)
-                kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh).to(tl.float32)
+                kw, ks, kz = _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, slot, kvh, offs_w, stride_kws, stride_kwh,
+                                           stride_kss, stride_ksh, stride_kzs, stride_kzh)
                 if EARLY_V:  # the value tile's loads issued beside the key tile's, before the score math
-                    # masked tokens read slot 0 (any bits): their s is -inf below, their p*s and p*z must be 0
-                    vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0)
-                    vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0)
-                    vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
-                p, alpha, m_i, l_i = _rows_scores(kw, ks, kz, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot,
-                                                  m_i, l_i, MAGIC, DOT_T)
+                    vw, vs, vz = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vws,
+                                               stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
+                p, alpha, m_i, l_i = _rows_scores(kw, ks.to(tl.float32), kz.to(tl.float32), mask_n, q0, q1, q2, q3,
+                                                  q4, q5, q6, q7, s_init, qtot, m_i, l_i, MAGIC, DOT_T)
                 if not EARLY_V:
-                    vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0)
-                    vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0)
-                    vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
+                    vw, vs, vz = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vws,
+                                               stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
                 pz, a0, a1, a2, a3, a4, a5, a6, a7 = _rows_values(
                     p, alpha, vw, vs.to(tl.float32), vz.to(tl.float32), pz, a0, a1, a2, a3, a4, a5, a6, a7,
                     OFF, MAGIC, DOT_T)
@@ -592,6 +595,7 @@ def _decode_rows_kernel(
             tl.store(PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + offs_d[:, None],
                      acc * inv_l[None, :], mask=mask_h[None, :])
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+
 
 @triton.jit
 def _pad_k(x):

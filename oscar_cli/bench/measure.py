@@ -235,15 +235,16 @@ def decode_at(run: Run, batch: int, context: int, roles: list[str]) -> dict:
         prefill_tokens = batch * (context - cfg.decode_tokens)
     mark = run.server.log_size()
     timeout = run.ceiling(prefill_tokens, cfg.decode_tokens, batch, context)
-    flag = Path(cfg.out) / NULL_FILL_FLAG
-    if fill == "null":  # the servers' extends skip the model until every request has its first token
+    flag = Path(cfg.out) / NULL_FILL_FLAG if fill == "null" else None
+    if flag is not None:  # the servers' extends skip the model until every request has its first token
         flag.touch()
     try:
         with Monitor(run.server.url, run.gpu) as mon:
             streams = run.generate(prompts, cfg.decode_tokens, timeout, f"decode bs{batch} at {context} ({fill})",
-                                   all_started=lambda: flag.unlink(missing_ok=True))
+                                   all_started=None if flag is None else (lambda: flag.unlink(missing_ok=True)))
     finally:
-        flag.unlink(missing_ok=True)
+        if flag is not None:
+            flag.unlink(missing_ok=True)
     win = decode_window(streams)
     srv = server_decode_rate(run.server.log_text(mark), batch)
     errors = sorted({s.error for s in streams if s.error})
