@@ -202,10 +202,14 @@ STEP_VARIANTS_LONG_RECENT = [
     ("exact quarters, 1408 programs, merge cols 64", dict(exact_quarters=True, min_programs=1408, merge_cols=64)),
     ("exact quarters, early V", dict(exact_quarters=True, early_v=True)),
     ("exact quarters, early V, no prefetch", dict(exact_quarters=True, early_v=True, prefetch=False)),
+    ("exact quarters, block_n 64, 1536 programs", dict(exact_quarters=True, block_n=64, min_programs=1536)),
+    ("exact quarters, block_n 64, early V, 1536 programs", dict(exact_quarters=True, block_n=64, early_v=True,
+                                                               min_programs=1536)),
 ]
 """``--variants --recent 256`` (the window the SGLang runs use: ``sink + recent`` exact rows per sequence): the
 exact split by head-dim quarters (fewer registers, so more resident split programs), with more INT2 splits at small
-batches, the merge over 64 columns, early value loads (room for them now), and the K/V write with two warps. The set
+batches, the merge over 64 columns, early value loads (room for them now), the K/V write with two warps, and
+64-token tiles (168 registers with the exact quarters against 235 without: 12 resident programs per SM). The set
 before (the software-pipelined loop, 64-token tiles, cp.async stages, programmatic dependent launch: RESULTS.md,
 commit fd2b998) measured slower."""
 STEP_VARIANTS = [

@@ -122,7 +122,8 @@ def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
                                    dict(pipeline=True), dict(pipeline=True, block_n=64, block_nb=16),
                                    dict(pipeline=True, block_n=16), dict(pdl=True, merge_cols=32),
                                    dict(pdl=True, pipeline=True, block_n=64), dict(exact_quarters=True),
-                                   dict(exact_quarters=True, block_nb=16)])
+                                   dict(exact_quarters=True, block_nb=16),
+                                   dict(exact_quarters=True, block_n=64, early_v=True)])
 def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
     """The row-scale kernel's slot prefetch, early value loads, software pipeline (one and several tiles per
     split) and exact rows by head-dim quarters, the merge split over output columns and the exact split's tile give the reference answer (ragged
