@@ -212,6 +212,14 @@ batches, the merge over 64 columns, early value loads (room for them now), the K
 64-token tiles (168 registers with the exact quarters against 235 without: 12 resident programs per SM). The set
 before (the software-pipelined loop, 64-token tiles, cp.async stages, programmatic dependent launch: RESULTS.md,
 commit fd2b998) measured slower."""
+STEP_VARIANTS_L2 = [
+    ("default", {}),
+    ("L2 prefetch, next tile", dict(l2_ahead=1)),
+    ("L2 prefetch, two tiles ahead", dict(l2_ahead=2)),
+    ("L2 prefetch, two tiles ahead, exact quarters", dict(l2_ahead=2, exact_quarters=True)),
+]
+"""``--variants --l2``: the split loop asking the L2 for the code words, scales and zeros of the tile one or two
+iterations ahead (``prefetch.global.L2``: bytes in flight that hold no registers), against the default."""
 STEP_VARIANTS = [
     ("query rotation in its own launch", dict(fuse_q_rotation=False)),
     ("default", {}),
@@ -296,6 +304,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--merge", action="store_true", help="time the merge variants, append their table, then stop")
     ap.add_argument("--variants", action="store_true",
                     help="time a decode step per layer under each DecodePlan variant, append the table, then stop")
+    ap.add_argument("--l2", action="store_true",
+                    help="with --variants: time STEP_VARIANTS_L2 (L2 prefetch of the tiles ahead) instead")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,
                     help=f"with --variants: the pools' exact recent window (default {RECENT}; above it "
@@ -324,7 +334,10 @@ def main() -> None:
         merge_table(gen, args.results, commit)
         return
     if args.variants:
-        if args.recent > RECENT:  # the exact split's variants, where its rows matter: small batches
+        if args.l2:
+            variants_table(gen, args.results, commit, STEP_VARIANTS_L2, STEP_SHAPES[:3] + STEP_SHAPES[4:],
+                           args.recent)
+        elif args.recent > RECENT:  # the exact split's variants, where its rows matter: small batches
             variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT, STEP_SHAPES[:3] + STEP_SHAPES[4:],
                            args.recent)
         else:

@@ -169,6 +169,11 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
                          exact_quarters=True)
         dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        # L2 prefetch of the tiles ahead (the PTX prefetch in the plain split loop), one and two tiles ahead
+        for ahead in (1, 2):
+            dec = DecodePlan(pool, 2, 128, q_heads=hq, l2_ahead=ahead)
+            dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
+            dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -154,6 +154,10 @@ commit 154a6a4, per layer of a decode step): bs1/100k 61.3 µs vs 62.6 without; 
 ROWS_PIPELINE = False
 """Row-scale path: software-pipeline the split loop (``decode_int2(pipeline=...)``): tile ``i + 1``'s code words,
 scales and zeros are loaded while tile ``i`` is computed, tile ``i + 2``'s slots one step earlier."""
+ROWS_L2_AHEAD = 0
+"""Row-scale path: tiles ahead whose code words, scales and zeros each iteration asks the L2 to fetch from HBM
+(``decode_int2(l2_ahead=...)``: 0 off, 1 the next tile, 2 the one after; ``prefetch.global.L2``, no registers held),
+so the tile's own loads later hit the L2 and more bytes are in flight per SM than the loads' registers allow."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
@@ -319,6 +323,30 @@ def _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vw
     return vw, vs, vz
 
 
+_L2_PREFETCH = tl.constexpr("prefetch.global.L2 [$1]; mov.u32 $0, 0;")
+"""PTX: ask the L2 for the line holding an address (a hint: nothing is loaded into registers, nothing can fault)."""
+
+
+@triton.jit
+def _l2_prefetch(ptrs):
+    """``prefetch.global.L2`` of every pointer of ``ptrs`` (the dummy result is discarded; not pure, so kept)."""
+    tl.inline_asm_elementwise(_L2_PREFETCH, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _rows_l2_prefetch(K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, slot, kvh, stride_kws, stride_kwh,
+                      stride_kss, stride_ksh, stride_kzs, stride_kzh, stride_vws, stride_vwh, stride_vss, stride_vsh,
+                      stride_vzs, stride_vzh):
+    """L2 prefetch of a row-scale tile's key and value rows (code words, scales, zeros) at ``slot`` [N]: one
+    address per row and tensor (a row's d/4 bytes of words lie in one line)."""
+    _l2_prefetch(K_WORDS + slot * stride_kws + kvh * stride_kwh)
+    _l2_prefetch(V_WORDS + slot * stride_vws + kvh * stride_vwh)
+    _l2_prefetch(K_SCALE + slot * stride_kss + kvh * stride_ksh)
+    _l2_prefetch(K_ZERO + slot * stride_kzs + kvh * stride_kzh)
+    _l2_prefetch(V_SCALE + slot * stride_vss + kvh * stride_vsh)
+    _l2_prefetch(V_ZERO + slot * stride_vzs + kvh * stride_vzh)
+
+
 @triton.jit
 def _rows_scores(kw, ks, kz, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i,
                  MAGIC: tl.constexpr, DOT_T: tl.constexpr):
@@ -389,7 +417,7 @@ def _decode_rows_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
     MAGIC: tl.constexpr, DOT_T: tl.constexpr, BF_PV_T: tl.constexpr, OFF64: tl.constexpr,
     PREFETCH: tl.constexpr, EARLY_V: tl.constexpr, PIPELINE: tl.constexpr, PDL: tl.constexpr,
-    EXACT_QUARTERS: tl.constexpr,
+    EXACT_QUARTERS: tl.constexpr, L2_AHEAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -494,6 +522,9 @@ def _decode_rows_kernel(
                     slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0)
                 if OFF64:
                     slot = slot.to(tl.int64)
+                if L2_AHEAD == 2:  # the slots of the tile after next, for its L2 prefetch below
+                    far = 2 * BLOCK_N + offs_n
+                    slot_far = tl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
                 kw, ks, kz = _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, slot, kvh, offs_w, stride_kws, stride_kwh,
                                            stride_kss, stride_ksh, stride_kzs, stride_kzh)
                 if EARLY_V:  # the value tile's loads issued beside the key tile's, before the score math
@@ -501,6 +532,17 @@ def _decode_rows_kernel(
                                                stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
                 p, alpha, m_i, l_i = _rows_scores(kw, ks.to(tl.float32), kz.to(tl.float32), mask_n, q0, q1, q2, q3,
                                                   q4, q5, q6, q7, s_init, qtot, m_i, l_i, MAGIC, DOT_T)
+                # after the scores: the slot load these addresses need has arrived by now
+                if L2_AHEAD == 1:
+                    slot_l2 = slot_next
+                elif L2_AHEAD == 2:
+                    slot_l2 = slot_far
+                if L2_AHEAD > 0:
+                    if OFF64:
+                        slot_l2 = slot_l2.to(tl.int64)
+                    _rows_l2_prefetch(K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, slot_l2, kvh, stride_kws,
+                                      stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh, stride_vws,
+                                      stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
                 if not EARLY_V:
                     vw, vs, vz = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vws,
                                                stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
@@ -1035,6 +1077,7 @@ def decode_int2(
     pipeline: bool = ROWS_PIPELINE,
     pdl: bool = False,
     exact_quarters: bool = False,
+    l2_ahead: int = ROWS_L2_AHEAD,
     rotate_q: bool = True,
     block_nb: int | None = None,
 ) -> torch.Tensor:
@@ -1065,6 +1108,9 @@ def decode_int2(
         exact_quarters: row-scale path: the exact split reads and multiplies its rows a quarter of the head dim at a
             time (184 registers instead of 233 for the kernel at d = 128 with 32-row exact tiles: more resident
             programs).
+        l2_ahead: row-scale path, plain split loop: ask the L2 to fetch the code words, scales and zeros of the
+            tile ``l2_ahead`` iterations ahead (0 off, 1 or 2; 1 needs ``prefetch``) once a tile's scores are done
+            (``ROWS_L2_AHEAD``); ignored under the interpreter (no PTX).
         pdl: launch the split kernel and the merge with programmatic dependent launch (Hopper on): each may start
             while the launch before it still runs and waits (``griddepcontrol.wait``) before reading what that one
             writes; the merge loads its ``R_V`` rows before waiting. Pair it with a previous launch that lets
@@ -1110,6 +1156,12 @@ def decode_int2(
         return out
     fp32_dot = not gpu_codegen(q)
     pdl = bool(pdl) and not fp32_dot  # the interpreter has no grid dependency control
+    if l2_ahead not in (0, 1, 2) or isinstance(l2_ahead, bool):
+        raise ValueError(f"l2_ahead must be 0, 1 or 2 (tiles ahead), got {l2_ahead!r}")
+    if l2_ahead == 1 and not prefetch:
+        raise ValueError("l2_ahead=1 prefetches the next tile's slots, which prefetch=False does not load: "
+                         "pass prefetch=True or l2_ahead=2")
+    l2_ahead = 0 if fp32_dot or pipeline else l2_ahead  # PTX only; the pipelined loop holds its next tile already
     k, v = cache.k, cache.v
     if rotate_q:
         _rotate_q_kernel[(bsz, hkv)](
@@ -1140,6 +1192,7 @@ def decode_int2(
             MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
             BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
             PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline), PDL=pdl, EXACT_QUARTERS=bool(exact_quarters),
+            L2_AHEAD=l2_ahead,
             num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES, launch_pdl=pdl,
             **({"maxnreg": max_registers} if max_registers else {}),
         )

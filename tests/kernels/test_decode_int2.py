@@ -123,7 +123,8 @@ def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
                                    dict(pipeline=True, block_n=16), dict(pdl=True, merge_cols=32),
                                    dict(pdl=True, pipeline=True, block_n=64), dict(exact_quarters=True),
                                    dict(exact_quarters=True, block_nb=16),
-                                   dict(exact_quarters=True, block_n=64, early_v=True)])
+                                   dict(exact_quarters=True, block_n=64, early_v=True), dict(l2_ahead=1),
+                                   dict(l2_ahead=2, exact_quarters=True)])
 def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
     """The row-scale kernel's slot prefetch, early value loads, software pipeline (one and several tiles per
     split) and exact rows by head-dim quarters, the merge split over output columns and the exact split's tile give the reference answer (ragged
@@ -145,6 +146,10 @@ def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
         assert rel_err(out, ref) <= MAX_REL
     with pytest.raises(ValueError, match="merge_cols must be a power of two"):
         decode_int2(q, lists.cache, index, merge_cols=48)
+    with pytest.raises(ValueError, match="l2_ahead must be 0, 1 or 2"):
+        decode_int2(q, lists.cache, index, l2_ahead=3)
+    with pytest.raises(ValueError, match="pass prefetch=True or l2_ahead=2"):
+        decode_int2(q, lists.cache, index, l2_ahead=1, prefetch=False)
 
 
 @pytest.mark.parametrize("exact_splits", [2, 3, 8])
