@@ -157,7 +157,10 @@ scales and zeros are loaded while tile ``i`` is computed, tile ``i + 2``'s slots
 ROWS_L2_AHEAD = 0
 """Row-scale path: tiles ahead whose code words, scales and zeros each iteration asks the L2 to fetch from HBM
 (``decode_int2(l2_ahead=...)``: 0 off, 1 the next tile, 2 the one after; ``prefetch.global.L2``, no registers held),
-so the tile's own loads later hit the L2 and more bytes are in flight per SM than the loads' registers allow."""
+so the tile's own loads later hit the L2 and more bytes are in flight per SM than the loads' registers allow. Off:
+measured on an H200 (``bench_decode.py --variants --l2``, commit 53abccc, per layer of a decode step, sink 64 /
+recent 256) one tile ahead is level at bs1 (55.7 µs vs 56.8 at 100k) and 1.6% slower at bs50/100k (1272 vs 1252),
+two tiles ahead 16% slower at bs32 and bs50: the split kernel is not waiting on HBM."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
@@ -1106,8 +1109,8 @@ def decode_int2(
         block_nb: exact rows per tile of the exact split (``BF16_BLOCK_N``).
         pipeline: row-scale path: software-pipeline the split loop (``ROWS_PIPELINE``).
         exact_quarters: row-scale path: the exact split reads and multiplies its rows a quarter of the head dim at a
-            time (184 registers instead of 233 for the kernel at d = 128 with 32-row exact tiles: more resident
-            programs).
+            time (202 registers instead of 233 for the kernel at d = 128 with 32-row exact tiles, sink 64 / recent
+            256: more resident programs; measured slower on an H200, commit f70fdbc: RESULTS.md).
         l2_ahead: row-scale path, plain split loop: ask the L2 to fetch the code words, scales and zeros of the
             tile ``l2_ahead`` iterations ahead (0 off, 1 or 2; 1 needs ``prefetch``) once a tile's scores are done
             (``ROWS_L2_AHEAD``); ignored under the interpreter (no PTX).
