@@ -115,12 +115,14 @@ def test_summary_rows_put_the_numbers_in_their_cells():
     assert o["req @100k"] == "45" and o["admitted"] == "45/45 @32k"  # the larger of /v1/loads (44) and the log (45)
     assert o["bits/el"] == f"{8 * 20736 / 73728:.2f}" == "2.25"  # the plugin's cell bytes over 36 x 2 x 8 x 128
     assert o["bits/el pool"] == f"{8 * 93.0 * 2**30 / (4_500_000 * 73728):.2f}" == "2.41"  # SGLang's kvcache GiB
-    large, x_large, equal, x_equal, itl8, itl32, itl100, ttft, x_ttft, peak = o["rest"]
+    large, x_large, x_fp8, equal, x_equal, itl8, itl32, itl100, ttft, x_ttft, peak = o["rest"]
     assert (large, x_large, equal, x_equal) == ("2,000 (bs45 R)", "4.00x", "800 (bs7 R)", "1.60x")
+    assert x_fp8 == f"{2000 / 900:.2f}x"  # against flashinfer-fp8's largest batch (900 tok/s at bs14)
     assert (itl8, itl32, itl100, ttft, x_ttft) == ("8.00", "8.30", "—", "—", "—")  # the 100k latency failed
     assert peak == f"{127000 / 1024:.1f}"
-    assert rows["flashinfer-fp8"]["rest"][7:9] == ["5.0", "1.00x"]  # time to first token of the 100k prompt
-    assert rows["flashinfer-fp8"]["rest"][:4] == ["900 (bs14 R)", "1.80x", "520 (bs7 R)", "1.04x"]
+    assert rows["flashinfer-fp8"]["rest"][8:10] == ["5.0", "1.00x"]  # time to first token of the 100k prompt
+    assert rows["flashinfer-fp8"]["rest"][:5] == ["900 (bs14 R)", "1.80x", "1.00x", "520 (bs7 R)", "1.04x"]
+    assert rows["flashinfer"]["rest"][2] == f"{500 / 900:.2f}x"
 
 
 def test_equal_batch_ratio_needs_the_same_batch():
@@ -128,8 +130,22 @@ def test_equal_batch_ratio_needs_the_same_batch():
     records.append({**next(r for r in d.load_records(SAMPLE) if r["measure"] == "throughput"), "batch": 8,
                     "roles": ["largest", "equal"]})
     o = next(r for r in d.summary_rows(records) if r[0] == "oscar")
-    assert o[10] == "800 (bs7 R)" and o[11] == "—"  # BF16 ran bs8, not bs7: no ratio at equal batch
+    assert o[11] == "800 (bs7 R)" and o[12] == "—"  # BF16 ran bs8, not bs7: no ratio at equal batch
     assert o[9] == "4.00x"  # the largest-batch ratio does not need equal batches
+
+
+def test_throughput_ratios_need_the_same_cache_fill():
+    """A distinct-pages run is never set against a shared-prefix baseline (BF16 pages served from L2): the ratios
+    take the baseline's record with the same fill and context, or show none."""
+    records = d.load_records(SAMPLE)
+    tp = [r for r in records if r["measure"] == "throughput" and r["config"] == "oscar"]
+    records += [{**r, "fill": "null", "tok_s": r["tok_s"] / 2} for r in tp]  # oscar again, on distinct pages
+    o = next(r for r in d.summary_rows(records) if r[0] == "oscar")
+    assert o[8].endswith(" N)") and o[9:11] == ["—", "—"] and o[12] == "—"
+    base = [r for r in records if r["measure"] == "throughput" and r["config"] == "flashinfer"]
+    records += [{**r, "fill": "null", "tok_s": 250.0} for r in base]
+    o = next(r for r in d.summary_rows(records) if r[0] == "oscar")
+    assert o[9] == "4.00x" and o[10] == "—" and o[12] == "1.60x"  # 1000 / 250, 400 / 250; no FP8 on distinct pages
 
 
 def test_results_section_and_profile_rows(tmp_path):
@@ -140,7 +156,7 @@ def test_results_section_and_profile_rows(tmp_path):
     assert "commit 0.1.0+gsample" in title and "SYNTHETIC SAMPLE, not measured" in title
     assert "Command: `oscar bench --configs flashinfer,flashinfer-fp8,oscar --profile (synthetic sample)`" in text
     assert ("| oscar | INT2 g128 s64/r256 | 4,500,000 | 6.43x | 45 | 45/45 @32k | 2.25 | 2.41 | 2,000 (bs45 R) | "
-            "4.00x | 800 (bs7 R) | 1.60x | 8.00 | 8.30 | — | — | — | 124.0 |") in text
+            "4.00x | 2.22x | 800 (bs7 R) | 1.60x | 8.00 | 8.30 | — | — | — | 124.0 |") in text
     assert "| oscar | bs45/100k | 30.00 | 9.00 | 3.00 | 42.00 | 71% |" in text
     assert "| flashinfer | bs1/100k | 2.50 | 6.00 | 0.90 | 9.40 | 27% |" in text
     assert "* oscar latency at 100000: error: RuntimeError: the server is not running" in text

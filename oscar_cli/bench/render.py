@@ -11,7 +11,7 @@ from .spec import BASELINE, CONFIGS, ELEMENTS_PER_TOKEN, SGLANG_VERSION, BenchEr
 
 # ---------------------------------------------------------------------------------------------------- rendering
 SUMMARY_HEADERS = ("config", "KV", "max tokens", "x BF16", "req @100k", "admitted", "bits/el", "bits/el pool",
-                   "tok/s largest", "x BF16", "tok/s equal", "x BF16", "ITL 8k ms", "ITL 32k ms", "ITL 100k ms",
+                   "tok/s largest", "x BF16", "x FP8", "tok/s equal", "x BF16", "ITL 8k ms", "ITL 32k ms", "ITL 100k ms",
                    "TTFT 100k s", "x BF16", "peak GiB")
 PROFILE_HEADERS = ("config", "point", "attention ms", "GEMM ms", "other ms", "total ms", "attention %")
 DASH = "—"
@@ -77,12 +77,29 @@ def configs_of(records: list[dict]) -> list[str]:
     return [c for c in CONFIGS if c in seen] + sorted(seen - set(CONFIGS))
 
 
+def _largest(records: list[dict], config: str, like: dict | None = None) -> dict | None:
+    """The latest largest-batch throughput record of ``config`` (with ``like``: at its context and cache fill, so a
+    ratio never sets distinct pages against a shared prefix)."""
+    return _latest(records, config, "throughput",
+                   lambda r: "largest" in r.get("roles", []) and r.get("tok_s") and (
+                       like is None or (r.get("context") == like.get("context") and r.get("fill") == like.get("fill"))))
+
+
+FP8_CONFIGS = tuple(c.name for c in CONFIGS.values() if (c.kv_dtype or "").startswith("fp8"))
+"""The FP8 KV configurations: ``x FP8`` is taken against the fastest of them at its largest batch."""
+
+
+def _best_fp8(records: list[dict], like: dict) -> dict | None:
+    cands = [r for c in FP8_CONFIGS if (r := _largest(records, c, like)) is not None]
+    return max(cands, key=lambda r: r["tok_s"], default=None)
+
+
 def summary_rows(records: list[dict]) -> list[list[str]]:
     """One row per configuration (cells as in :data:`SUMMARY_HEADERS`), from the latest record of each kind; ratios
-    against :data:`BASELINE` (``tok/s equal`` at the same batch and context only)."""
+    against :data:`BASELINE` (throughput at the same context and cache fill, ``tok/s equal`` at the same batch too);
+    ``x FP8`` against the fastest FP8 configuration's largest batch, same context and fill."""
     base = _latest(records, BASELINE, "server")
     base_tokens = base and base.get("max_total_num_tokens")
-    base_large = _latest(records, BASELINE, "throughput", lambda r: "largest" in r.get("roles", []) and r.get("tok_s"))
     rows = []
     for c in configs_of(records):
         srv = _latest(records, c, "server")
@@ -94,11 +111,13 @@ def summary_rows(records: list[dict]) -> list[list[str]]:
         adm = _latest(records, c, "admission")
         admitted = DASH if adm is None else (f"{max(adm.get('max_running_loads', 0), adm.get('max_running_log', 0))}"
                                              f"/{adm['requests']} @{tokens_label(adm['context'])}")
-        large = _latest(records, c, "throughput", lambda r: "largest" in r.get("roles", []) and r.get("tok_s"))
+        large = _largest(records, c)
+        base_large = large and _largest(records, BASELINE, large)
+        fp8_large = large and _best_fp8(records, large)
         eq = _latest(records, c, "throughput", lambda r: "equal" in r.get("roles", []) and r.get("tok_s"))
         base_eq = eq and _latest(records, BASELINE, "throughput",
                                  lambda r, e=eq: r.get("batch") == e["batch"] and r.get("context") == e["context"]
-                                 and r.get("tok_s"))
+                                 and r.get("fill") == e.get("fill") and r.get("tok_s"))
         itl = _per_context(records, c, "itl_ms")
         ttft = _nearest(_per_context(records, c, "ttft_s"), long_ctx)
         base_ttft = _nearest(_per_context(records, BASELINE, "ttft_s"), long_ctx)
@@ -108,6 +127,7 @@ def summary_rows(records: list[dict]) -> list[list[str]]:
             _fmt(requests_at(tokens, long_ctx), "d") if tokens else DASH, admitted, _fmt(cell, ".2f"), _fmt(pool, ".2f"),
             DASH if large is None else f"{large['tok_s']:,.0f} (bs{large['batch']}{_fill_mark(large)})",
             _ratio(large and large["tok_s"], base_large and base_large["tok_s"]),
+            _ratio(large and large["tok_s"], fp8_large and fp8_large["tok_s"]),
             DASH if eq is None else f"{eq['tok_s']:,.0f} (bs{eq['batch']}{_fill_mark(eq)})",
             _ratio(eq and eq["tok_s"], base_eq and base_eq["tok_s"]),
             *(_fmt(_nearest(itl, k), ".2f") for k in (8192, 32768, 100_000)), _fmt(ttft, ".1f"),
@@ -196,7 +216,8 @@ def results_section(records: list[dict]) -> str:
               f"`--context-length {srv.get('context_length', 131072)}`, `--sampling-backend pytorch`, decode CUDA "
               f"graphs up to bs{srv.get('cuda_graph_max_bs', 64)}; oscar: "
               f"{check['scheme'] if check else 'the artifact scheme'}, data-free random orthogonal rotations, "
-              "`--max-running-requests` as in the command, 64 anchors. Ratios against flashinfer BF16.", "",
+              "`--max-running-requests` as in the command, 64 anchors. Ratios against flashinfer BF16 (throughput at "
+              "the same context and cache fill); x FP8: against the fastest FP8 configuration's largest batch.", "",
               markdown(SUMMARY_HEADERS, summary_rows(records)), "",
               f"req @100k: `max_total_num_tokens // {long_ctx}`. admitted: the most requests `/v1/loads` or the "
               "`Decode batch` log showed running at once, of those sent, at the context shown (a scaled-down "
