@@ -3,9 +3,9 @@ BF16 and FP8 KV caches, end to end through the HTTP server (the library behind `
 ``benchmarks/bench_e2e.py``: :mod:`.spec` what runs, :mod:`.server` one SGLang server, :mod:`.measure` the
 measurements, :mod:`.records` and :mod:`.render` what is kept and shown).
 
-Ran on an H200 on 2026-12-02 (``benchmarks/RESULTS.md``): server facts, throughput and latency of ``oscar``,
-``flashinfer`` and ``flashinfer-fp8``, the admission run and the profile of ``oscar``; the BF16 profile has not run
-on a GPU yet (its server did not start within the 200 s given). Its parsing,
+Ran on an H200 on 2026-12-02 and 2026-12-03 (``benchmarks/RESULTS.md``): server facts, throughput (every fill) and
+latency of ``oscar``, ``flashinfer`` and ``flashinfer-fp8``, the admission run, and the profiles of ``oscar`` and
+``flashinfer`` BF16; ``triton`` / ``triton-fp8`` not through it (flashinfer is the faster backend there). Its parsing,
 records and rendering are tested on CPU over recorded sample data (``tests/test_cli_bench.py``, synthetic).
 Batch-1 latency points come after one unrecorded warm-up request (:data:`.measure.WARMUP_TOKENS`).
 
@@ -79,7 +79,9 @@ already started in the same command at :data:`RESTART_TIMEOUT_S` (180 s; 55 s th
 
 **Rendering** (pure functions over the records: :func:`summary_rows`, :func:`profile_rows`, :func:`markdown`,
 :func:`results_section`, :func:`plot`): one table (capacity, ratios to BF16, requests per 100k, bits per element,
-admission, tokens/s at the largest and the equal batch with ratios, ITL at each context, peak memory), the profile
+admission, tokens/s at the largest and the equal batch with ratios to BF16 and, at the largest batch, to the fastest
+FP8 configuration, each ratio only between records of the same context and fill, ITL at each context, peak
+memory), the profile
 summary, and a ``benchmarks/RESULTS.md`` section with date, device, commit and command taken from the records.
 
 **On the H200**. CPU side, once: SGLang's site archive and a tokenizer folder into the ignored
