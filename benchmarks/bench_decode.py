@@ -334,12 +334,9 @@ def main() -> None:
         merge_table(gen, args.results, commit)
         return
     if args.variants:
-        if args.l2:
-            variants_table(gen, args.results, commit, STEP_VARIANTS_L2, STEP_SHAPES[:3] + STEP_SHAPES[4:],
-                           args.recent)
-        elif args.recent > RECENT:  # the exact split's variants, where its rows matter: small batches
-            variants_table(gen, args.results, commit, STEP_VARIANTS_LONG_RECENT, STEP_SHAPES[:3] + STEP_SHAPES[4:],
-                           args.recent)
+        if args.l2 or args.recent > RECENT:  # the exact split's variants, where its rows matter: small batches
+            variants_table(gen, args.results, commit, STEP_VARIANTS_L2 if args.l2 else STEP_VARIANTS_LONG_RECENT,
+                           STEP_SHAPES[:3] + STEP_SHAPES[4:], args.recent)
         else:
             variants_table(gen, args.results, commit, recent=args.recent)
         return

@@ -77,12 +77,13 @@ def configs_of(records: list[dict]) -> list[str]:
     return [c for c in CONFIGS if c in seen] + sorted(seen - set(CONFIGS))
 
 
-def _largest(records: list[dict], config: str, like: dict | None = None) -> dict | None:
-    """The latest largest-batch throughput record of ``config`` (with ``like``: at its context and cache fill, so a
-    ratio never sets distinct pages against a shared prefix)."""
+def _throughput(records: list[dict], config: str, role: str | None = None, like: dict | None = None,
+                same: tuple[str, ...] = ("context", "fill")) -> dict | None:
+    """The latest throughput record of ``config`` with a rate (in ``role``, if given; with ``like``: equal to it in
+    every key of ``same``, so a ratio never sets distinct pages against a shared prefix)."""
     return _latest(records, config, "throughput",
-                   lambda r: "largest" in r.get("roles", []) and r.get("tok_s") and (
-                       like is None or (r.get("context") == like.get("context") and r.get("fill") == like.get("fill"))))
+                   lambda r: bool(r.get("tok_s")) and (role is None or role in r.get("roles", []))
+                   and (like is None or all(r.get(k) == like.get(k) for k in same)))
 
 
 FP8_CONFIGS = tuple(c.name for c in CONFIGS.values() if (c.kv_dtype or "").startswith("fp8"))
@@ -90,7 +91,7 @@ FP8_CONFIGS = tuple(c.name for c in CONFIGS.values() if (c.kv_dtype or "").start
 
 
 def _best_fp8(records: list[dict], like: dict) -> dict | None:
-    cands = [r for c in FP8_CONFIGS if (r := _largest(records, c, like)) is not None]
+    cands = [r for c in FP8_CONFIGS if (r := _throughput(records, c, "largest", like)) is not None]
     return max(cands, key=lambda r: r["tok_s"], default=None)
 
 
@@ -111,13 +112,11 @@ def summary_rows(records: list[dict]) -> list[list[str]]:
         adm = _latest(records, c, "admission")
         admitted = DASH if adm is None else (f"{max(adm.get('max_running_loads', 0), adm.get('max_running_log', 0))}"
                                              f"/{adm['requests']} @{tokens_label(adm['context'])}")
-        large = _largest(records, c)
-        base_large = large and _largest(records, BASELINE, large)
+        large = _throughput(records, c, "largest")
+        base_large = large and _throughput(records, BASELINE, "largest", large)
         fp8_large = large and _best_fp8(records, large)
-        eq = _latest(records, c, "throughput", lambda r: "equal" in r.get("roles", []) and r.get("tok_s"))
-        base_eq = eq and _latest(records, BASELINE, "throughput",
-                                 lambda r, e=eq: r.get("batch") == e["batch"] and r.get("context") == e["context"]
-                                 and r.get("fill") == e.get("fill") and r.get("tok_s"))
+        eq = _throughput(records, c, "equal")
+        base_eq = eq and _throughput(records, BASELINE, like=eq, same=("batch", "context", "fill"))
         itl = _per_context(records, c, "itl_ms")
         ttft = _nearest(_per_context(records, c, "ttft_s"), long_ctx)
         base_ttft = _nearest(_per_context(records, BASELINE, "ttft_s"), long_ctx)
