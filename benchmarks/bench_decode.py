@@ -220,6 +220,23 @@ STEP_VARIANTS_L2 = [
 ]
 """``--variants --l2``: the split loop asking the L2 for the code words, scales and zeros of the tile one or two
 iterations ahead (``prefetch.global.L2``: bytes in flight that hold no registers), against the default."""
+_WRITE_ALL_ROWS = dict(block_n=1, rot_precision="fma", num_warps=4, rot_rows=128)
+STEP_VARIANTS_WRITE_PEEL = [
+    ("default", {}),
+    ("peel", dict(peel=True)),
+    ("write 4 warps, all rotation rows at once", dict(write_tuning=_WRITE_ALL_ROWS)),
+    ("write 8 warps, all rotation rows at once", dict(write_tuning={**_WRITE_ALL_ROWS, "num_warps": 8})),
+    ("peel, write 4 warps all rows", dict(peel=True, write_tuning=_WRITE_ALL_ROWS)),
+    ("merge chunk 128", dict(merge_chunk=128)),
+    ("peel, write 4 warps all rows, merge chunk 128", dict(peel=True, write_tuning=_WRITE_ALL_ROWS,
+                                                            merge_chunk=128)),
+]
+"""``--variants --set write-peel``: the split loop's whole tiles without token masks (``peel``), the step's K/V
+write (and query rotation) loading its whole rotation at once with four or eight warps per program instead of 32
+rows at a time with one (in SGLang the rotations arrive from HBM: ~14 µs per layer at bs1/100k against ~6 in a
+one-layer replay), and the merge reading 128 partials per step."""
+VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL}
+"""Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out)."""
 STEP_VARIANTS = [
     ("query rotation in its own launch", dict(fuse_q_rotation=False)),
     ("default", {}),
@@ -304,8 +321,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--merge", action="store_true", help="time the merge variants, append their table, then stop")
     ap.add_argument("--variants", action="store_true",
                     help="time a decode step per layer under each DecodePlan variant, append the table, then stop")
-    ap.add_argument("--l2", action="store_true",
-                    help="with --variants: time STEP_VARIANTS_L2 (L2 prefetch of the tiles ahead) instead")
+    ap.add_argument("--set", choices=sorted(VARIANT_SETS), default=None, dest="variant_set",
+                    help="with --variants: time this named set instead (l2: L2 prefetch of the tiles ahead; "
+                         "write-peel: unmasked whole tiles, the K/V write with its whole rotation at once, the merge "
+                         "chunk)")
+    ap.add_argument("--l2", action="store_true", help="with --variants: the same as --set l2")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,
                     help=f"with --variants: the pools' exact recent window (default {RECENT}; above it "
@@ -334,8 +354,9 @@ def main() -> None:
         merge_table(gen, args.results, commit)
         return
     if args.variants:
-        if args.l2 or args.recent > RECENT:  # the exact split's variants, where its rows matter: small batches
-            variants_table(gen, args.results, commit, STEP_VARIANTS_L2 if args.l2 else STEP_VARIANTS_LONG_RECENT,
+        named = "l2" if args.l2 else args.variant_set
+        if named or args.recent > RECENT:  # the exact split's variants, where its rows matter: small batches
+            variants_table(gen, args.results, commit, VARIANT_SETS[named] if named else STEP_VARIANTS_LONG_RECENT,
                            STEP_SHAPES[:3] + STEP_SHAPES[4:], args.recent)
         else:
             variants_table(gen, args.results, commit, recent=args.recent)

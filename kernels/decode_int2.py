@@ -161,6 +161,10 @@ so the tile's own loads later hit the L2 and more bytes are in flight per SM tha
 measured on an H200 (``bench_decode.py --variants --l2``, commit 53abccc, per layer of a decode step, sink 64 /
 recent 256) one tile ahead is level at bs1 (55.7 µs vs 56.8 at 100k) and 1.6% slower at bs50/100k (1272 vs 1252),
 two tiles ahead 16% slower at bs32 and bs50: the split kernel is not waiting on HBM."""
+ROWS_PEEL = False
+"""Row-scale path: run a split's whole tiles without token masks and its partial last tile, if any, after them with
+masks (``decode_int2(peel=...)``): no per-token bound checks, score selects or masked value-scale loads in the
+loop (~5% of its instructions per tile at d = 128, from the sm_90 SASS)."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
@@ -317,12 +321,16 @@ def _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, slot, kvh, offs_w, stride_kws, strid
 
 @triton.jit
 def _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vws, stride_vwh, stride_vss, stride_vsh,
-                  stride_vzs, stride_vzh):
+                  stride_vzs, stride_vzh, MASKED: tl.constexpr = True):
     """A row-scale tile's value loads, as :func:`_rows_k_loads`; masked tokens get scale and zero 0 (their ``p*s``
-    and ``p*z`` must be 0)."""
+    and ``p*z`` must be 0); without ``MASKED`` every token is in range and nothing is masked."""
     vw = tl.load(V_WORDS + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
-    vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0)
-    vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0)
+    if MASKED:
+        vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0)
+        vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0)
+    else:
+        vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh)
+        vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh)
     return vw, vs, vz
 
 
@@ -352,9 +360,9 @@ def _rows_l2_prefetch(K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, slot, 
 
 @triton.jit
 def _rows_scores(kw, ks, kz, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i,
-                 MAGIC: tl.constexpr, DOT_T: tl.constexpr):
+                 MAGIC: tl.constexpr, DOT_T: tl.constexpr, MASKED: tl.constexpr = True):
     """A row-scale tile's base-2 scores ``s = s_k (q'.c) + z_k sum(q')`` [N, H] -> online-softmax step:
-    ``(p, alpha, m_new, l_new)``."""
+    ``(p, alpha, m_new, l_new)``; ``MASKED``: tokens outside ``mask_n`` score -inf (without it all count)."""
     if MAGIC:
         k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(kw)
     else:
@@ -368,7 +376,8 @@ def _rows_scores(kw, ks, kz, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, s_init, qto
     qc = tl.dot(k6, q6, qc)
     qc = tl.dot(k7, q7, qc)  # [N, H] = q'.c
     s = qc * ks[:, None] + kz[:, None] * qtot[None, :]
-    s = tl.where(mask_n[:, None], s, float("-inf"))
+    if MASKED:
+        s = tl.where(mask_n[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 0))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[None, :])
@@ -403,6 +412,63 @@ def _rows_values(p, alpha, vw, vs, vz, pz, a0, a1, a2, a3, a4, a5, a6, a7,
 
 
 @triton.jit
+def _rows_tile(start, hi, kv_start, slot_next, offs_t, offs_w, kvh, KV_INDICES,
+               K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
+               stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+               stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+               q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7,
+               BLOCK_N: tl.constexpr, OFF: tl.constexpr, MAGIC: tl.constexpr, DOT_T: tl.constexpr,
+               OFF64: tl.constexpr, PREFETCH: tl.constexpr, EARLY_V: tl.constexpr, L2_AHEAD: tl.constexpr,
+               MASKED: tl.constexpr):
+    """One row-scale tile of the plain split loop: tokens ``[start, start + BLOCK_N)`` of the split ending at
+    ``hi``. ``MASKED``: the tile may run past ``hi`` (token masks on the slots, the scores and the value scales);
+    without it every token is in range and no mask is computed. Returns the next tile's slots (``PREFETCH``) and the
+    updated softmax state and plane accumulators."""
+    offs_n = start + offs_t
+    if MASKED:
+        mask_n = offs_n < hi
+    else:
+        mask_n = offs_t >= 0  # all true; not applied
+    if PREFETCH:
+        slot = slot_next
+        slot_next = tl.load(KV_INDICES + kv_start + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < hi, other=0)
+    elif MASKED:
+        slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0)
+    else:
+        slot = tl.load(KV_INDICES + kv_start + offs_n)
+    if OFF64:
+        slot = slot.to(tl.int64)
+    if L2_AHEAD == 2:  # the slots of the tile after next, for its L2 prefetch below
+        far = 2 * BLOCK_N + offs_n
+        slot_far = tl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
+    kw, ks, kz = _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, slot, kvh, offs_w, stride_kws, stride_kwh,
+                               stride_kss, stride_ksh, stride_kzs, stride_kzh)
+    if EARLY_V:  # the value tile's loads issued beside the key tile's, before the score math
+        vw, vs, vz = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vws,
+                                   stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh, MASKED)
+    p, alpha, m_i, l_i = _rows_scores(kw, ks.to(tl.float32), kz.to(tl.float32), mask_n, q0, q1, q2, q3,
+                                      q4, q5, q6, q7, s_init, qtot, m_i, l_i, MAGIC, DOT_T, MASKED)
+    # after the scores: the slot load these addresses need has arrived by now
+    if L2_AHEAD == 1:
+        slot_l2 = slot_next
+    elif L2_AHEAD == 2:
+        slot_l2 = slot_far
+    if L2_AHEAD > 0:
+        if OFF64:
+            slot_l2 = slot_l2.to(tl.int64)
+        _rows_l2_prefetch(K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, slot_l2, kvh, stride_kws,
+                          stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh, stride_vws,
+                          stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
+    if not EARLY_V:
+        vw, vs, vz = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vws,
+                                   stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh, MASKED)
+    pz, a0, a1, a2, a3, a4, a5, a6, a7 = _rows_values(
+        p, alpha, vw, vs.to(tl.float32), vz.to(tl.float32), pz, a0, a1, a2, a3, a4, a5, a6, a7,
+        OFF, MAGIC, DOT_T)
+    return slot_next, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
 def _decode_rows_kernel(
     QN,
     K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
@@ -420,7 +486,7 @@ def _decode_rows_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
     MAGIC: tl.constexpr, DOT_T: tl.constexpr, BF_PV_T: tl.constexpr, OFF64: tl.constexpr,
     PREFETCH: tl.constexpr, EARLY_V: tl.constexpr, PIPELINE: tl.constexpr, PDL: tl.constexpr,
-    EXACT_QUARTERS: tl.constexpr, L2_AHEAD: tl.constexpr,
+    EXACT_QUARTERS: tl.constexpr, L2_AHEAD: tl.constexpr, PEEL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -514,44 +580,29 @@ def _decode_rows_kernel(
         else:
             if PREFETCH:  # the slots of the first tile; each iteration then loads the next tile's
                 slot_next = tl.load(KV_INDICES + kv_start + lo + offs_t, mask=lo + offs_t < hi, other=0)
-            for start in range(lo, hi, BLOCK_N):
-                offs_n = start + offs_t
-                mask_n = offs_n < hi
-                if PREFETCH:
-                    slot = slot_next
-                    slot_next = tl.load(KV_INDICES + kv_start + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < hi,
-                                        other=0)
-                else:
-                    slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0)
-                if OFF64:
-                    slot = slot.to(tl.int64)
-                if L2_AHEAD == 2:  # the slots of the tile after next, for its L2 prefetch below
-                    far = 2 * BLOCK_N + offs_n
-                    slot_far = tl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
-                kw, ks, kz = _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, slot, kvh, offs_w, stride_kws, stride_kwh,
-                                           stride_kss, stride_ksh, stride_kzs, stride_kzh)
-                if EARLY_V:  # the value tile's loads issued beside the key tile's, before the score math
-                    vw, vs, vz = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vws,
-                                               stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
-                p, alpha, m_i, l_i = _rows_scores(kw, ks.to(tl.float32), kz.to(tl.float32), mask_n, q0, q1, q2, q3,
-                                                  q4, q5, q6, q7, s_init, qtot, m_i, l_i, MAGIC, DOT_T)
-                # after the scores: the slot load these addresses need has arrived by now
-                if L2_AHEAD == 1:
-                    slot_l2 = slot_next
-                elif L2_AHEAD == 2:
-                    slot_l2 = slot_far
-                if L2_AHEAD > 0:
-                    if OFF64:
-                        slot_l2 = slot_l2.to(tl.int64)
-                    _rows_l2_prefetch(K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, slot_l2, kvh, stride_kws,
-                                      stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh, stride_vws,
-                                      stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
-                if not EARLY_V:
-                    vw, vs, vz = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vws,
-                                               stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
-                pz, a0, a1, a2, a3, a4, a5, a6, a7 = _rows_values(
-                    p, alpha, vw, vs.to(tl.float32), vz.to(tl.float32), pz, a0, a1, a2, a3, a4, a5, a6, a7,
-                    OFF, MAGIC, DOT_T)
+            else:
+                slot_next = offs_t  # not read
+            if PEEL:  # whole tiles without token masks, then the split's partial last tile (if any) with them
+                full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
+            else:
+                full_hi = hi
+            for start in range(lo, full_hi, BLOCK_N):
+                slot_next, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7 = _rows_tile(
+                    start, hi, kv_start, slot_next, offs_t, offs_w, kvh, KV_INDICES,
+                    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
+                    stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+                    stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+                    q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7,
+                    BLOCK_N, OFF, MAGIC, DOT_T, OFF64, PREFETCH, EARLY_V, L2_AHEAD, not PEEL)
+            if PEEL:
+                if full_hi < hi:
+                    slot_next, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7 = _rows_tile(
+                        full_hi, hi, kv_start, slot_next, offs_t, offs_w, kvh, KV_INDICES,
+                        K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
+                        stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+                        stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+                        q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7,
+                        BLOCK_N, OFF, MAGIC, DOT_T, OFF64, PREFETCH, EARLY_V, 0, True)
         inv_l, lse = _finish_split(m_i, l_i)
         il = inv_l[None, :]
         zt = (pz * inv_l)[None, :]
@@ -1083,6 +1134,7 @@ def decode_int2(
     l2_ahead: int = ROWS_L2_AHEAD,
     rotate_q: bool = True,
     block_nb: int | None = None,
+    peel: bool = ROWS_PEEL,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -1107,6 +1159,8 @@ def decode_int2(
         prefetch, early_v: row-scale path: load the next tile's slots one iteration ahead (``ROWS_PREFETCH``); issue
             the value tile's loads with the key tile's (``ROWS_EARLY_V``).
         block_nb: exact rows per tile of the exact split (``BF16_BLOCK_N``).
+        peel: row-scale path, plain split loop: whole tiles without token masks, the partial last tile apart
+            (``ROWS_PEEL``).
         pipeline: row-scale path: software-pipeline the split loop (``ROWS_PIPELINE``).
         exact_quarters: row-scale path: the exact split reads and multiplies its rows a quarter of the head dim at a
             time (202 registers instead of 233 for the kernel at d = 128 with 32-row exact tiles, sink 64 / recent
@@ -1195,7 +1249,7 @@ def decode_int2(
             MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
             BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
             PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline), PDL=pdl, EXACT_QUARTERS=bool(exact_quarters),
-            L2_AHEAD=l2_ahead,
+            L2_AHEAD=l2_ahead, PEEL=bool(peel) and not pipeline,
             num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES, launch_pdl=pdl,
             **({"maxnreg": max_registers} if max_registers else {}),
         )

@@ -55,6 +55,8 @@ tokens x 8 heads against 4266 µs for ``"ieee"`` fp32 FMA and 130 µs for plain 
 not used), measured on an H200 (commit 78c2798)."""
 DEFAULT_WARPS = 4
 """Warps per program at ``DEFAULT_BLOCK_N`` (8 warps: 427 µs vs 204 on the same run)."""
+DEFAULT_ROT_ROWS = 32
+"""Rows of the rotation per multiply-add step of the ``"fma"`` rotation (``rot_rows``)."""
 DECODE_WRITE = dict(block_n=1, rot_precision="fma", num_warps=1)
 """Launch parameters of a decode step's K/V write (one new token per sequence; ``DecodePlan``'s default
 ``write_tuning``): one token per one-warp program, rotated by fp32 multiply-adds on the CUDA cores. Measured on an
@@ -80,10 +82,11 @@ def _rotated_quarters(
     ROTATE: tl.constexpr, PRECISION: tl.constexpr, ROT_FMA: tl.constexpr,
 ):
     """The four column quarters ``y_j = (x @ R)[:, col0 + j * BQ]`` (fp32 ``[BLOCK_N, d/4]``) of the rows at
-    ``x_rows`` (``[BLOCK_N, 1]`` pointers), ``R`` at ``ROT_H``; without ``ROTATE`` the rows themselves."""
+    ``x_rows`` (``[BLOCK_N, 1]`` pointers), ``R`` at ``ROT_H``; without ``ROTATE`` the rows themselves. ``ROT_FMA``:
+    0 for tensor-core dots at ``PRECISION``, else fp32 multiply-adds over that many rows of ``R`` per step."""
     offs_d = tl.arange(0, HEAD_DIM)
-    if ROTATE and ROT_FMA:  # few rows (a decode step): fp32 multiply-adds on the CUDA cores, KB rows of R at a time
-        KB: tl.constexpr = 32 if HEAD_DIM >= 32 else HEAD_DIM
+    if ROTATE and ROT_FMA:  # few rows (a decode step): fp32 multiply-adds on the CUDA cores, ROT_FMA rows of R a step
+        KB: tl.constexpr = ROT_FMA if ROT_FMA < HEAD_DIM else HEAD_DIM
         offs_k = tl.arange(0, KB)
         y0 = tl.zeros([BLOCK_N, D4], tl.float32)
         y1 = tl.zeros([BLOCK_N, D4], tl.float32)
@@ -93,10 +96,21 @@ def _rotated_quarters(
             xk = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xd, mask=mask_n[:, None], other=0.0)
             xk = xk.to(tl.float32)[:, :, None]
             r_k = ROT_H + (k0 + offs_k)[:, None] * stride_rr
-            y0 += tl.sum(xk * tl.load(r_k + (col0 + 0 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
-            y1 += tl.sum(xk * tl.load(r_k + (col0 + 1 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
-            y2 += tl.sum(xk * tl.load(r_k + (col0 + 2 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
-            y3 += tl.sum(xk * tl.load(r_k + (col0 + 3 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+            if KB == HEAD_DIM:  # one step: all of R's loads issued before the sums (with several warps the sums
+                # meet at barriers, which loads written between them would wait behind: one HBM trip, not four)
+                r0 = tl.load(r_k + (col0 + 0 * BQ)[None, :] * stride_rc)
+                r1 = tl.load(r_k + (col0 + 1 * BQ)[None, :] * stride_rc)
+                r2 = tl.load(r_k + (col0 + 2 * BQ)[None, :] * stride_rc)
+                r3 = tl.load(r_k + (col0 + 3 * BQ)[None, :] * stride_rc)
+                y0 += tl.sum(xk * r0[None, :, :], axis=1)
+                y1 += tl.sum(xk * r1[None, :, :], axis=1)
+                y2 += tl.sum(xk * r2[None, :, :], axis=1)
+                y3 += tl.sum(xk * r3[None, :, :], axis=1)
+            else:  # loads beside their sums (issued first, a one-warp program needs registers for all four)
+                y0 += tl.sum(xk * tl.load(r_k + (col0 + 0 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+                y1 += tl.sum(xk * tl.load(r_k + (col0 + 1 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+                y2 += tl.sum(xk * tl.load(r_k + (col0 + 2 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
+                y3 += tl.sum(xk * tl.load(r_k + (col0 + 3 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
     elif ROTATE:
         x = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=mask_n[:, None], other=0.0).to(tl.float32)
         r_base = ROT_H + offs_d[:, None] * stride_rr
@@ -339,6 +353,7 @@ def quantize_pack(
     block_n: int = DEFAULT_BLOCK_N,
     rot_precision: str = DEFAULT_ROT_PRECISION,
     num_warps: int = DEFAULT_WARPS,
+    rot_rows: int = DEFAULT_ROT_ROWS,
 ) -> None:
     """Quantize new rows into their slots (and optionally store their rotated exact rows), in place, one launch.
 
@@ -360,9 +375,11 @@ def quantize_pack(
             multiply-adds on the CUDA cores, for a few rows per program (a decode step's; use a small ``block_n``).
             The interpreter always computes in fp32.
         num_warps: warps per program (``DEFAULT_WARPS``).
+        rot_rows: ``"fma"`` only: rows of ``rot`` multiplied per step (a power of two; ``DEFAULT_ROT_ROWS``; ``d``
+            or more: all of them, every load of the rotation in flight at once).
     """
     args, meta = _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
-                              rot_precision)
+                              rot_precision, rot_rows)
     _launch(x.shape, args, args, meta, block_n, num_warps)
 
 
@@ -399,7 +416,7 @@ def _q_args(q: torch.Tensor, q_out: torch.Tensor, q_scale: float, k: torch.Tenso
 
 
 def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
-                 rot_precision) -> tuple[list, dict]:
+                 rot_precision, rot_rows: int = DEFAULT_ROT_ROWS) -> tuple[list, dict]:
     """Checked arguments of one K or V write: (pointer/scalar/stride list, compile-time parameters)."""
     g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc)
     n, hkv, d = x.shape
@@ -419,10 +436,12 @@ def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf
         *(z_t.stride()[:2] if store_codes else (0, 0)), *(b_t.stride()[:2] if store_bf16 else (0, 0)),
     ]
     fma = rot_precision == "fma"
+    if not isinstance(rot_rows, int) or isinstance(rot_rows, bool) or rot_rows < 1 or rot_rows & (rot_rows - 1):
+        raise ValueError(f"rot_rows must be a power of two >= 1, got {rot_rows!r}")
     if not fma and rot_precision not in ("tf32x3", "tf32", "ieee"):
         raise ValueError(f"rot_precision must be tf32x3, tf32, ieee or fma, got {rot_precision!r}")
     meta = dict(HEAD_DIM=d, GROUP_SIZE=g, ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1,
-                CLIP_PER_HEAD=per_head, PRECISION="ieee" if fma else rot_precision, ROT_FMA=fma,
+                CLIP_PER_HEAD=per_head, PRECISION="ieee" if fma else rot_precision, ROT_FMA=rot_rows if fma else 0,
                 STORE_CODES=store_codes, STORE_BF16=store_bf16, MAX_CODE=LEVELS)
     return args, meta
 
@@ -447,6 +466,7 @@ def quantize_pack_kv(
     q_out: torch.Tensor | None = None,
     q_scale: float = 1.0,
     launch_dependents: bool = False,
+    rot_rows: int = DEFAULT_ROT_ROWS,
 ) -> None:
     """:func:`quantize_pack` of the K and the V rows of the same tokens in one launch (grid ``[blocks, Hkv, 2]``).
 
@@ -468,9 +488,9 @@ def quantize_pack_kv(
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     ko, vo = bf16_out if bf16_out is not None else (None, None)
     ka, km = _launch_args(k, rot_k, clip_k, *(k_slots or (None, None, None)), out_cache_loc, group_size, ko, bf16_loc,
-                          rot_precision)
+                          rot_precision, rot_rows)
     va, vm = _launch_args(v, rot_v, clip_v, *(v_slots or (None, None, None)), out_cache_loc, group_size, vo, bf16_loc,
-                          rot_precision)
+                          rot_precision, rot_rows)
     qa, gqa = _q_args(q, q_out, q_scale, k, rot_k) if q is not None else (None, 1)
     if km == vm:
         _launch(k.shape, ka, va, km, block_n, num_warps, qa, gqa, launch_dependents)

@@ -22,7 +22,8 @@ def bench(monkeypatch):
 
 def test_each_variant_steps_through_every_layer_and_matches_the_reference(bench):
     case = bench.StepCase(1, 400, 2, torch.Generator().manual_seed(0))
-    for name, kw in bench.STEP_VARIANTS[1:2] + bench.STEP_VARIANTS_LONG_RECENT[1:2]:
+    picked = bench.STEP_VARIANTS[1:2] + bench.STEP_VARIANTS_LONG_RECENT[1:2] + bench.STEP_VARIANTS_WRITE_PEEL[-1:]
+    for name, kw in picked:
         fn, bound = case.step(**kw)
         case.out.fill_(float("nan"))
         fn()  # every layer; the output is the last layer's
@@ -49,3 +50,11 @@ def test_variants_table_has_a_row_per_variant_and_is_appended(bench, tmp_path, m
     # each cell: time per layer (the fake timer's value over the step's layers) and the split bound in brackets
     assert rows[1].split("|")[2].strip().endswith(")") and "5.0 (" in rows[1]
     assert len(timed) == len(variants) * 2
+
+
+def test_named_variant_sets_are_chosen_by_set(bench):
+    assert bench.parse_args(["--variants", "--set", "write-peel"]).variant_set == "write-peel"
+    assert bench.parse_args(["--variants", "--l2"]).l2 and bench.parse_args([]).variant_set is None
+    assert set(bench.VARIANT_SETS) == {"l2", "write-peel"}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--variants", "--set", "nope"])

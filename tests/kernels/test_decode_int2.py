@@ -124,10 +124,13 @@ def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
                                    dict(pdl=True, pipeline=True, block_n=64), dict(exact_quarters=True),
                                    dict(exact_quarters=True, block_nb=16),
                                    dict(exact_quarters=True, block_n=64, early_v=True), dict(l2_ahead=1),
-                                   dict(l2_ahead=2, exact_quarters=True)])
+                                   dict(l2_ahead=2, exact_quarters=True), dict(peel=True),
+                                   dict(peel=True, block_n=64, l2_ahead=1), dict(peel=True, prefetch=False)])
 def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
     """The row-scale kernel's slot prefetch, early value loads, software pipeline (one and several tiles per
-    split) and exact rows by head-dim quarters, the merge split over output columns and the exact split's tile give the reference answer (ragged
+    split), exact rows by head-dim quarters, L2 prefetch and unmasked whole tiles (``peel``: splits with and without
+    a partial last tile, one with none whole), the merge split over output columns and the exact split's tile give
+    the reference answer (ragged
     lengths, per-sequence split counts, NaN-poisoned workspace and out); the general path takes the merge and
     exact-tile knobs too (g = 32)."""
     gen = torch.Generator().manual_seed(211 + len(knobs) + knobs.get("merge_cols", 0))

@@ -87,10 +87,11 @@ def test_kernel_prerotated_is_bit_exact(d, group, dtype):
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("group", ["row", 32])
 @pytest.mark.parametrize("shared_rot", [False, True])
-@pytest.mark.parametrize("path", ["dot", "fma"])
+@pytest.mark.parametrize("path", ["dot", "fma", "fma-all-rows"])
 def test_kernel_fused_rotation(d, group, shared_rot, path):
     """Fused rotation, through tensor-core dots or (``rot_precision="fma"``, few tokens per program) CUDA-core
-    multiply-adds: fp32 sums in another order, so a rare code may move by one at a rounding boundary."""
+    multiply-adds, 32 rows of the rotation per step or all of them at once (``rot_rows=d``, four warps): fp32 sums
+    in another order, so a rare code may move by one at a rounding boundary."""
     g = d if group == "row" else group
     gen = torch.Generator().manual_seed(d * 3 + g + shared_rot)
     hkv, slots = 4, N_TOK + 5
@@ -101,7 +102,8 @@ def test_kernel_fused_rotation(d, group, shared_rot, path):
     got = _pools(slots, hkv, d, g, gen, head_major=True)
     assert got[0].stride(0) < got[0].stride(1)  # head-major storage
     want = tuple(t.clone() for t in got)
-    kw = dict(rot_precision="fma", block_n=4) if path == "fma" else {}
+    kw = {"dot": {}, "fma": dict(rot_precision="fma", block_n=4),
+          "fma-all-rows": dict(rot_precision="fma", block_n=1, num_warps=4, rot_rows=d)}[path]
     quantize_pack(x, rot, 0.75, *got, loc, g, **kw)
     quantize_pack_ref(x, rot, 0.75, *want, loc, g)
     lo = loc.long()
@@ -251,14 +253,19 @@ def test_unknown_rotation_precision_is_refused():
     with pytest.raises(ValueError, match="rot_precision must be tf32x3, tf32, ieee or fma"):
         quantize_pack(x, random_rotation(hkv, d, gen), 1.0, codes, scale, zero,
                       torch.arange(3, device=DEVICE), rot_precision="bf16")
+    for bad in (0, 48, True):
+        with pytest.raises(ValueError, match="rot_rows must be a power of two >= 1"):
+            quantize_pack(x, random_rotation(hkv, d, gen), 1.0, codes, scale, zero,
+                          torch.arange(3, device=DEVICE), rot_precision="fma", rot_rows=bad)
 
 
 
-@pytest.mark.parametrize("case", ["same", "mixed", "shared-rot"])
+@pytest.mark.parametrize("case", ["same", "mixed", "shared-rot", "all-rows"])
 def test_kv_write_rotates_the_queries_in_the_same_launch(case):
     """With ``q``, ``quantize_pack_kv`` also writes ``q @ rot_k[h // gqa] * q_scale`` in fp32 (``rotate_q_ref``) into
     a NaN-poisoned strided ``q_out``, every element and nothing else, and the K/V writes are unchanged ("mixed": K and
-    V compile apart, the queries ride on the K launch; "shared-rot": one rotation for every head)."""
+    V compile apart, the queries ride on the K launch; "shared-rot": one rotation for every head; "all-rows": the
+    whole rotation loaded at once by four warps per program)."""
     from oscar_kernels import quantize_pack_kv
     from oscar_kernels.quantize_pack import rotate_q_ref
 
@@ -275,8 +282,9 @@ def test_kv_write_rotates_the_queries_in_the_same_launch(case):
     want = [tuple(t.clone() for t in p) for p in pools]
     big = torch.full((n, hkv * gqa, 2 * d), float("nan"), device=DEVICE)
     q_out = big[:, :, :d]
+    rows = dict(num_warps=4, rot_rows=d) if case == "all-rows" else dict(num_warps=1)
     quantize_pack_kv(k, v, rk, rv, ck, cv, pools[0], pools[1], loc, g, q=q, q_out=q_out, q_scale=0.37,
-                     block_n=1, rot_precision="fma", num_warps=1)
+                     block_n=1, rot_precision="fma", **rows)
     quantize_pack(k, rk, ck, *want[0], loc, g)
     quantize_pack(v, rv, cv, *want[1], loc, g)
     for got, exp in zip([*pools[0], *pools[1]], [*want[0], *want[1]], strict=True):
