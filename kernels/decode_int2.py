@@ -116,13 +116,28 @@ bound registers). Not swept: one small program per (sequence, KV head)."""
 Q_ROT_WARPS = 4
 """Query rotation: warps per program (not swept, see ``Q_ROT_BLOCK_C``)."""
 MERGE_SPLIT_CHUNK = 32
-"""Merge: INT2 partials read per loop step (``decode_int2(merge_chunk=...)``; ``[32, d]`` fp32, 16 KB at d = 128).
+"""Merge: fewest INT2 partials read per loop step (``decode_int2(merge_chunk=...)``; ``[32, d]`` fp32, 16 KB at
+d = 128); the default is :func:`merge_chunk_for` the launch's partials, from this up to ``MERGE_MAX_CHUNK``.
 History: reading 8 per step instead of 1 is what made more splits pay at bs1 (``ROWS_MIN_PROGRAMS``; sweep on an
 H200, RESULTS.md, commit b7f000b: bs1/128k 96.1 -> 82.5 µs at 64 splits, 61.5 at 128). That merge ran one program
 per (sequence, KV head) over the GQA group padded to 16 rows with a tf32 ``R_V^T`` dot; the one program per
 (sequence, query head) here, 32 partials per step and an fp32 multiply-sum product, measured within 2% of it at every
 shape (``bench_decode.py --merge``, commit e6f07dc: bs1/100k 55.3 vs 55.8 µs, bs32/32k 306.2 vs 301.2; 8 or 16
 partials per step slower) and replaced it for its exact product."""
+MERGE_MAX_CHUNK = 128
+"""Merge: most partials read per loop step by default. All of a one-sequence batch's partials in one step (128
+splits at 32k and 100k) instead of four: measured on an H200 (``bench_decode.py --variants --set write-peel``,
+commit 1c022d0, a decode step per layer, sink 64 / recent 256) bs1/32k 33.2 -> 30.7 µs, bs1/100k 56.2 -> 53.3;
+bs1/8k (34 partials) 27.7 -> 27.5; at bs32/32k (19 partials, where 32 already reads them all) 128 was 2% slower
+(312.2 vs 307.0: a 128-row tile for 19 rows), hence no more than the partials need."""
+
+
+def merge_chunk_for(parts: int) -> int:
+    """Default merge step: the partials' count rounded up to a power of two, within ``[MERGE_SPLIT_CHUNK,
+    MERGE_MAX_CHUNK]`` (one step up to 128 partials)."""
+    return min(MERGE_MAX_CHUNK, max(MERGE_SPLIT_CHUNK, triton.next_power_of_2(max(parts, 1))))
+
+
 MERGE_WARPS = 4
 """Merge: warps per program (not swept)."""
 MERGE_ROT_ROWS = 64
@@ -1124,7 +1139,7 @@ def decode_int2(
     ptx_unpack: bool | None = None,
     row_kernel: bool | None = None,
     max_registers: int | None = None,
-    merge_chunk: int = MERGE_SPLIT_CHUNK,
+    merge_chunk: int | None = None,
     merge_cols: int | None = None,
     prefetch: bool = ROWS_PREFETCH,
     early_v: bool = ROWS_EARLY_V,
@@ -1153,7 +1168,8 @@ def decode_int2(
         row_kernel: use the row-scale fast path (default: :func:`row_path`); ``False`` forces the general path.
         max_registers: register cap per thread of the row-scale split kernel (Triton's ``maxnreg``; default
             ``ROWS_MAX_REGISTERS`` from ``ROWS_CAPPED_PROGRAMS`` launched split programs on, else none; 0 for none).
-        merge_chunk: INT2 partials the merge reads per step, a power of two (``MERGE_SPLIT_CHUNK``).
+        merge_chunk: INT2 partials the merge reads per step, a power of two (default :func:`merge_chunk_for` the
+            launch's partials).
         merge_cols: output columns per merge program, a power of two (at most ``d``; default
             :func:`merge_columns`).
         prefetch, early_v: row-scale path: load the next tile's slots one iteration ahead (``ROWS_PREFETCH``); issue
@@ -1185,6 +1201,8 @@ def decode_int2(
         raise ValueError(f"decode_int2: {why}")
     hkv = cache.kv_heads
     index.check(bsz)
+    if merge_chunk is None:
+        merge_chunk = merge_chunk_for(index.parts)
     if merge_chunk < 1 or merge_chunk & (merge_chunk - 1):
         raise ValueError(f"merge_chunk must be a power of two >= 1, got {merge_chunk}")
     if merge_cols is None:

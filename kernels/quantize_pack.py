@@ -56,14 +56,21 @@ not used), measured on an H200 (commit 78c2798)."""
 DEFAULT_WARPS = 4
 """Warps per program at ``DEFAULT_BLOCK_N`` (8 warps: 427 µs vs 204 on the same run)."""
 DEFAULT_ROT_ROWS = 32
-"""Rows of the rotation per multiply-add step of the ``"fma"`` rotation (``rot_rows``)."""
-DECODE_WRITE = dict(block_n=1, rot_precision="fma", num_warps=1)
+"""Rows of the rotation per multiply-add step of the ``"fma"`` rotation (``rot_rows``; 0: all of them at once)."""
+DECODE_WRITE = dict(block_n=1, rot_precision="fma", num_warps=4, rot_rows=0)
 """Launch parameters of a decode step's K/V write (one new token per sequence; ``DecodePlan``'s default
-``write_tuning``): one token per one-warp program, rotated by fp32 multiply-adds on the CUDA cores. Measured on an
+``write_tuning``): one token per program, rotated by fp32 multiply-adds on the CUDA cores. Measured on an
 H200 (``benchmarks/bench_decode.py``, commit c0a87a8, Qwen3-8B shapes): ``DecodePlan.run`` (write + attention) at
 bs1/8k 31.1 µs against 44.5 with the prefill defaults above (tensor-core tf32x3 rotation of 64-token blocks), i.e.
 the write ~6 µs instead of ~19; faster at every measured batch up to bs32 (bs32/32k 320.3 vs 329.2 µs). The prefill
-defaults compile to 255 registers and spill at d = 128; this variant uses 156 and does not."""
+defaults compile to 255 registers and spill at d = 128; this one (one warp then) used 156 and did not.
+
+Since commit 1c022d0 four warps per program load the whole rotation at once (``rot_rows=0``) instead of one warp
+32 rows at a time: in a whole decode step over pools larger than the L2 the rotations come from HBM and one warp
+waited on four trips for them. Measured on an H200 (``bench_decode.py --variants --set write-peel``, per layer of a
+step, sink 64 / recent 256): bs1/8k 27.7 -> 20.6 µs, bs1/32k 33.2 -> 25.9, bs1/100k 56.2 -> 46.8; bs32/32k 307.0
+-> 307.5 and bs50/100k 1262.9 -> 1266.6 (level); eight warps measured the same as four. 163 registers at d = 128,
+no spills."""
 
 
 @triton.jit
@@ -375,8 +382,8 @@ def quantize_pack(
             multiply-adds on the CUDA cores, for a few rows per program (a decode step's; use a small ``block_n``).
             The interpreter always computes in fp32.
         num_warps: warps per program (``DEFAULT_WARPS``).
-        rot_rows: ``"fma"`` only: rows of ``rot`` multiplied per step (a power of two; ``DEFAULT_ROT_ROWS``; ``d``
-            or more: all of them, every load of the rotation in flight at once).
+        rot_rows: ``"fma"`` only: rows of ``rot`` multiplied per step (a power of two, ``DEFAULT_ROT_ROWS``; 0 or
+            ``d`` and more: all of them, every load of the rotation in flight at once).
     """
     args, meta = _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
                               rot_precision, rot_rows)
@@ -436,12 +443,12 @@ def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf
         *(z_t.stride()[:2] if store_codes else (0, 0)), *(b_t.stride()[:2] if store_bf16 else (0, 0)),
     ]
     fma = rot_precision == "fma"
-    if not isinstance(rot_rows, int) or isinstance(rot_rows, bool) or rot_rows < 1 or rot_rows & (rot_rows - 1):
-        raise ValueError(f"rot_rows must be a power of two >= 1, got {rot_rows!r}")
+    if not isinstance(rot_rows, int) or isinstance(rot_rows, bool) or rot_rows < 0 or rot_rows & (rot_rows - 1):
+        raise ValueError(f"rot_rows must be 0 (all rows at once) or a power of two, got {rot_rows!r}")
     if not fma and rot_precision not in ("tf32x3", "tf32", "ieee"):
         raise ValueError(f"rot_precision must be tf32x3, tf32, ieee or fma, got {rot_precision!r}")
     meta = dict(HEAD_DIM=d, GROUP_SIZE=g, ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1,
-                CLIP_PER_HEAD=per_head, PRECISION="ieee" if fma else rot_precision, ROT_FMA=rot_rows if fma else 0,
+                CLIP_PER_HEAD=per_head, PRECISION="ieee" if fma else rot_precision, ROT_FMA=(rot_rows or d) if fma else 0,
                 STORE_CODES=store_codes, STORE_BF16=store_bf16, MAX_CODE=LEVELS)
     return args, meta
 

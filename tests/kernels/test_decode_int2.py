@@ -20,7 +20,7 @@ from oscar_kernels import (
     default_num_splits,
     split_policy,
 )
-from oscar_kernels.decode_int2 import split_count
+from oscar_kernels.decode_int2 import merge_chunk_for, split_count
 from oscar_kernels.scheme import CUDA_MIN_HEAD_DIM
 
 # interpreter: short ragged sequences (incl. an empty INT2 part and an empty exact part); GPU: long ones
@@ -100,7 +100,7 @@ def test_decode_split_counts_do_not_change_the_answer(splits):
     torch.testing.assert_close(out, ref, **TOL)
 
 
-@pytest.mark.parametrize("merge_chunk", [1, 4, 32])
+@pytest.mark.parametrize("merge_chunk", [1, 4, 32, 128])
 def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
     """The merge reading several INT2 partials per step (counts 3, 1, 6 and 2 of a grid of 7: chunks that end past a
     sequence's count, partials of inactive splits poisoned) gives the reference answer on both paths."""
@@ -358,3 +358,8 @@ def test_decode_index_gives_uniform_batches_the_old_counts():
         want = _old_default_num_splits(3, 2, 300, rows)
         assert isinstance(index, DecodeIndex) and index.max_splits == want
         assert index.num_splits.tolist() == [want] * 3
+
+
+def test_merge_chunk_reads_every_partial_in_one_step_up_to_128():
+    assert [merge_chunk_for(p) for p in (0, 1, 19, 32, 33, 34, 64, 65, 131, 500)] == \
+        [32, 32, 32, 32, 64, 64, 64, 128, 128, 128]

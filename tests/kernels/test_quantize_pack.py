@@ -103,7 +103,7 @@ def test_kernel_fused_rotation(d, group, shared_rot, path):
     assert got[0].stride(0) < got[0].stride(1)  # head-major storage
     want = tuple(t.clone() for t in got)
     kw = {"dot": {}, "fma": dict(rot_precision="fma", block_n=4),
-          "fma-all-rows": dict(rot_precision="fma", block_n=1, num_warps=4, rot_rows=d)}[path]
+          "fma-all-rows": dict(rot_precision="fma", block_n=1, num_warps=4, rot_rows=0)}[path]
     quantize_pack(x, rot, 0.75, *got, loc, g, **kw)
     quantize_pack_ref(x, rot, 0.75, *want, loc, g)
     lo = loc.long()
@@ -253,8 +253,8 @@ def test_unknown_rotation_precision_is_refused():
     with pytest.raises(ValueError, match="rot_precision must be tf32x3, tf32, ieee or fma"):
         quantize_pack(x, random_rotation(hkv, d, gen), 1.0, codes, scale, zero,
                       torch.arange(3, device=DEVICE), rot_precision="bf16")
-    for bad in (0, 48, True):
-        with pytest.raises(ValueError, match="rot_rows must be a power of two >= 1"):
+    for bad in (-1, 48, True):
+        with pytest.raises(ValueError, match="rot_rows must be 0 \\(all rows at once\\) or a power of two"):
             quantize_pack(x, random_rotation(hkv, d, gen), 1.0, codes, scale, zero,
                           torch.arange(3, device=DEVICE), rot_precision="fma", rot_rows=bad)
 
