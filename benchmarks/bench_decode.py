@@ -235,7 +235,15 @@ STEP_VARIANTS_WRITE_PEEL = [
 write (and query rotation) loading its whole rotation at once with four or eight warps per program instead of 32
 rows at a time with one (in SGLang the rotations arrive from HBM: ~14 µs per layer at bs1/100k against ~6 in a
 one-layer replay), and the merge reading 128 partials per step."""
-VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL}
+STEP_VARIANTS_ONE_WAVE = [
+    ("default", {}),
+    ("exact splits 2", dict(exact_splits=2)),
+    ("1040 programs, exact splits 2", dict(min_programs=1040, exact_splits=2)),
+]
+"""``--variants --set one-wave``: at bs1/100k the 128 default splits of 779 INT2 tiles run 7 tiles each (112 of them
+busy); 130 splits run 6, and 8 x 130 INT2 programs plus 2 exact programs per head fill the 1056 resident one-warp
+programs (8 per SM at 233 registers on 132 SMs) exactly."""
+VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE}
 """Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out)."""
 STEP_VARIANTS = [
     ("query rotation in its own launch", dict(fuse_q_rotation=False)),
@@ -324,7 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", choices=sorted(VARIANT_SETS), default=None, dest="variant_set",
                     help="with --variants: time this named set instead (l2: L2 prefetch of the tiles ahead; "
                          "write-peel: unmasked whole tiles, the K/V write with its whole rotation at once, the merge "
-                         "chunk)")
+                         "chunk; one-wave: split and exact program counts that fill one wave at bs1/100k)")
     ap.add_argument("--l2", action="store_true", help="with --variants: the same as --set l2")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,

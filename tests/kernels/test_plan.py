@@ -4,6 +4,8 @@ sequence (quantised with quantize_pack_ref semantics, exact rows bf16 after rota
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from int2_cache import DEVICE, ON_GPU, History, design_p_ref, outliers, poison_kv_pool, random_rotation, rel_err
@@ -350,3 +352,13 @@ def test_decode_run_cuda_graph_replay_over_changing_lengths():
         graph.replay()
         ref = torch.cat([eng._ref(r, st, [p]) for r, st, p in zip(reqs, start, pos, strict=True)])
         _close(out, ref)
+
+
+def test_plan_lists_match_the_reference_over_several_fill_programs(monkeypatch):
+    """The fill split over programs of FILL_PART INT2 positions each (48-token contexts over 16-position parts: the
+    lists of one sequence written by up to three programs, its exact rows by the first alone)."""
+    plan_module = importlib.import_module("oscar_kernels.plan")
+    monkeypatch.setattr(plan_module, "FILL_PART", 16)
+    monkeypatch.setattr(plan_module, "FILL_BLOCK", 8)
+    test_plan_lists_match_the_reference(3, 5)
+    test_plan_lists_match_the_reference(0, 0)
