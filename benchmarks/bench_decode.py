@@ -1,7 +1,7 @@
 """Decode on Qwen3-8B shapes: INT2 (``DecodePlan``) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
 
-Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge | --variants]
-[--results benchmarks/RESULTS.md]
+Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge | --variants
+[--set l2|write-peel|one-wave] [--recent N]] [--results benchmarks/RESULTS.md]
 Prints a table (median µs, GB/s on the bytes the attention reads, ratio to the best BF16 backend measured in the same
 run, fraction of the copy bandwidth measured in the same run) and appends it to RESULTS.md with the date, device,
 commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is planned by ``DecodePlan`` over an

@@ -113,7 +113,7 @@ def _rotated_quarters(
                 y1 += tl.sum(xk * r1[None, :, :], axis=1)
                 y2 += tl.sum(xk * r2[None, :, :], axis=1)
                 y3 += tl.sum(xk * r3[None, :, :], axis=1)
-            else:  # loads beside their sums (issued first, a one-warp program needs registers for all four)
+            else:  # each load beside its sum (the four loads first: 255 registers and spills in one warp)
                 y0 += tl.sum(xk * tl.load(r_k + (col0 + 0 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
                 y1 += tl.sum(xk * tl.load(r_k + (col0 + 1 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
                 y2 += tl.sum(xk * tl.load(r_k + (col0 + 2 * BQ)[None, :] * stride_rc)[None, :, :], axis=1)
