@@ -103,7 +103,7 @@ def test_kernel_fused_rotation(d, group, shared_rot, path):
     assert got[0].stride(0) < got[0].stride(1)  # head-major storage
     want = tuple(t.clone() for t in got)
     kw = {"dot": {}, "fma": dict(rot_precision="fma", block_n=4),
-          "fma-all-rows": dict(rot_precision="fma", block_n=1, num_warps=4, rot_rows=0)}[path]
+          "fma-all-rows": dict(rot_precision="fma", block_n=4, num_warps=4, rot_rows=0)}[path]
     quantize_pack(x, rot, 0.75, *got, loc, g, **kw)
     quantize_pack_ref(x, rot, 0.75, *want, loc, g)
     lo = loc.long()
