@@ -237,12 +237,14 @@ rows at a time with one (in SGLang the rotations arrive from HBM: ~14 µs per la
 one-layer replay), and the merge reading 128 partials per step."""
 STEP_VARIANTS_ONE_WAVE = [
     ("default", {}),
-    ("exact splits 2", dict(exact_splits=2)),
+    ("1040 programs", dict(min_programs=1040)),
     ("1040 programs, exact splits 2", dict(min_programs=1040, exact_splits=2)),
 ]
 """``--variants --set one-wave``: at bs1/100k the 128 default splits of 779 INT2 tiles run 7 tiles each (112 of them
 busy); 130 splits run 6, and 8 x 130 INT2 programs plus 2 exact programs per head fill the 1056 resident one-warp
-programs (8 per SM at 233 registers on 132 SMs) exactly."""
+programs (8 per SM at 233 registers on 132 SMs) exactly; with 3 exact programs per head the last 8 wait for the
+first slots to free (the last INT2 split of each head runs 5 tiles). The set's first run (commit f20c670) had
+"exact splits 2" alone in the middle row (level at 100k, 2 µs slower at 8k and 32k)."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE}
 """Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out)."""
 STEP_VARIANTS = [
