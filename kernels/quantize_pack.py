@@ -56,7 +56,16 @@ not used), measured on an H200 (commit 78c2798)."""
 DEFAULT_WARPS = 4
 """Warps per program at ``DEFAULT_BLOCK_N`` (8 warps: 427 µs vs 204 on the same run)."""
 DEFAULT_ROT_ROWS = 32
-"""Rows of the rotation per multiply-add step of the ``"fma"`` rotation (``rot_rows``; 0: all of them at once)."""
+"""Rows of the rotation per multiply-add step of the ``"fma"`` rotation (``rot_rows``; 0: :func:`fma_rot_rows`)."""
+ROT_ELEMS_PER_THREAD = 128
+"""``rot_rows=0``: rotation elements a step may hold per thread (128 fp32 registers; the four quarters' loads of a
+step are issued before their sums only when the step covers all of ``R``)."""
+
+
+def fma_rot_rows(head_dim: int, num_warps: int) -> int:
+    """Rows of ``R`` per step for ``rot_rows=0``: as many as keep ``ROT_ELEMS_PER_THREAD`` of its elements per thread
+    (all of them at d = 128 with four warps, so one HBM trip; 32 with one warp, the earlier default)."""
+    return max(1, min(head_dim, ROT_ELEMS_PER_THREAD * 32 * num_warps // head_dim))
 DECODE_WRITE = dict(block_n=1, rot_precision="fma", num_warps=4, rot_rows=0)
 """Launch parameters of a decode step's K/V write (one new token per sequence; ``DecodePlan``'s default
 ``write_tuning``): one token per program, rotated by fp32 multiply-adds on the CUDA cores. Measured on an
@@ -65,7 +74,8 @@ bs1/8k 31.1 µs against 44.5 with the prefill defaults above (tensor-core tf32x3
 the write ~6 µs instead of ~19; faster at every measured batch up to bs32 (bs32/32k 320.3 vs 329.2 µs). The prefill
 defaults compile to 255 registers and spill at d = 128; this one (one warp then) used 156 and did not.
 
-Since commit 1c022d0 four warps per program load the whole rotation at once (``rot_rows=0``) instead of one warp
+Since commit 1c022d0 four warps per program load the whole rotation at once (``rot_rows=0``: all of ``R`` up to
+d = 128, :func:`fma_rot_rows`) instead of one warp
 32 rows at a time: in a whole decode step over pools larger than the L2 the rotations come from HBM and one warp
 waited on four trips for them. Measured on an H200 (``bench_decode.py --variants --set write-peel``, per layer of a
 step, sink 64 / recent 256): bs1/8k 27.7 -> 20.6 µs, bs1/32k 33.2 -> 25.9, bs1/100k 56.2 -> 46.8; bs32/32k 307.0
@@ -104,7 +114,8 @@ def _rotated_quarters(
             xk = xk.to(tl.float32)[:, :, None]
             r_k = ROT_H + (k0 + offs_k)[:, None] * stride_rr
             if KB == HEAD_DIM:  # one step: all of R's loads issued before the sums (with several warps the sums
-                # meet at barriers, which loads written between them would wait behind: one HBM trip, not four)
+                # meet at barriers, which loads written between them would wait behind: one HBM trip, not four;
+                # fma_rot_rows keeps this to 128 elements per thread)
                 r0 = tl.load(r_k + (col0 + 0 * BQ)[None, :] * stride_rc)
                 r1 = tl.load(r_k + (col0 + 1 * BQ)[None, :] * stride_rc)
                 r2 = tl.load(r_k + (col0 + 2 * BQ)[None, :] * stride_rc)
@@ -382,11 +393,12 @@ def quantize_pack(
             multiply-adds on the CUDA cores, for a few rows per program (a decode step's; use a small ``block_n``).
             The interpreter always computes in fp32.
         num_warps: warps per program (``DEFAULT_WARPS``).
-        rot_rows: ``"fma"`` only: rows of ``rot`` multiplied per step (a power of two, ``DEFAULT_ROT_ROWS``; 0 or
-            ``d`` and more: all of them, every load of the rotation in flight at once).
+        rot_rows: ``"fma"`` only: rows of ``rot`` multiplied per step (a power of two, ``DEFAULT_ROT_ROWS``; ``d``
+            and more: all of them, every load of the rotation in flight at once; 0: :func:`fma_rot_rows`, all of
+            them where that holds at most ``ROT_ELEMS_PER_THREAD`` per thread).
     """
     args, meta = _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
-                              rot_precision, rot_rows)
+                              rot_precision, rot_rows, num_warps)
     _launch(x.shape, args, args, meta, block_n, num_warps)
 
 
@@ -423,7 +435,7 @@ def _q_args(q: torch.Tensor, q_out: torch.Tensor, q_scale: float, k: torch.Tenso
 
 
 def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
-                 rot_precision, rot_rows: int = DEFAULT_ROT_ROWS) -> tuple[list, dict]:
+                 rot_precision, rot_rows: int = DEFAULT_ROT_ROWS, num_warps: int = DEFAULT_WARPS) -> tuple[list, dict]:
     """Checked arguments of one K or V write: (pointer/scalar/stride list, compile-time parameters)."""
     g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc)
     n, hkv, d = x.shape
@@ -444,11 +456,12 @@ def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf
     ]
     fma = rot_precision == "fma"
     if not isinstance(rot_rows, int) or isinstance(rot_rows, bool) or rot_rows < 0 or rot_rows & (rot_rows - 1):
-        raise ValueError(f"rot_rows must be 0 (all rows at once) or a power of two, got {rot_rows!r}")
+        raise ValueError(f"rot_rows must be 0 (fma_rot_rows) or a power of two, got {rot_rows!r}")
     if not fma and rot_precision not in ("tf32x3", "tf32", "ieee"):
         raise ValueError(f"rot_precision must be tf32x3, tf32, ieee or fma, got {rot_precision!r}")
     meta = dict(HEAD_DIM=d, GROUP_SIZE=g, ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1,
-                CLIP_PER_HEAD=per_head, PRECISION="ieee" if fma else rot_precision, ROT_FMA=(rot_rows or d) if fma else 0,
+                CLIP_PER_HEAD=per_head, PRECISION="ieee" if fma else rot_precision,
+                ROT_FMA=(rot_rows or fma_rot_rows(d, num_warps)) if fma else 0,
                 STORE_CODES=store_codes, STORE_BF16=store_bf16, MAX_CODE=LEVELS)
     return args, meta
 
@@ -495,9 +508,9 @@ def quantize_pack_kv(
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     ko, vo = bf16_out if bf16_out is not None else (None, None)
     ka, km = _launch_args(k, rot_k, clip_k, *(k_slots or (None, None, None)), out_cache_loc, group_size, ko, bf16_loc,
-                          rot_precision, rot_rows)
+                          rot_precision, rot_rows, num_warps)
     va, vm = _launch_args(v, rot_v, clip_v, *(v_slots or (None, None, None)), out_cache_loc, group_size, vo, bf16_loc,
-                          rot_precision, rot_rows)
+                          rot_precision, rot_rows, num_warps)
     qa, gqa = _q_args(q, q_out, q_scale, k, rot_k) if q is not None else (None, 1)
     if km == vm:
         _launch(k.shape, ka, va, km, block_n, num_warps, qa, gqa, launch_dependents)

@@ -254,7 +254,7 @@ def test_unknown_rotation_precision_is_refused():
         quantize_pack(x, random_rotation(hkv, d, gen), 1.0, codes, scale, zero,
                       torch.arange(3, device=DEVICE), rot_precision="bf16")
     for bad in (-1, 48, True):
-        with pytest.raises(ValueError, match="rot_rows must be 0 \\(all rows at once\\) or a power of two"):
+        with pytest.raises(ValueError, match="rot_rows must be 0 \\(fma_rot_rows\\) or a power of two"):
             quantize_pack(x, random_rotation(hkv, d, gen), 1.0, codes, scale, zero,
                           torch.arange(3, device=DEVICE), rot_precision="fma", rot_rows=bad)
 
@@ -299,3 +299,12 @@ def test_kv_write_rotates_the_queries_in_the_same_launch(case):
         quantize_pack_kv(k, v, rk, rv, ck, cv, pools[0], pools[1], loc, g, q=q[:, :5], q_out=q_out[:, :5])
     with pytest.raises(ValueError, match="needs rot_k"):
         quantize_pack_kv(k, v, None, rv, ck, cv, pools[0], pools[1], loc, g, q=q, q_out=q_out)
+
+
+def test_fma_rotation_rows_per_step_keep_128_elements_per_thread():
+    """``rot_rows=0``: all of R in one step at d <= 128 with four warps, 32 rows with one (the old default), fewer
+    rows a step at d = 256 rather than 512 rotation registers per thread."""
+    from oscar_kernels.quantize_pack import fma_rot_rows
+
+    assert [fma_rot_rows(d, 4) for d in (32, 64, 128, 256)] == [32, 64, 128, 64]
+    assert fma_rot_rows(128, 1) == 32 and fma_rot_rows(128, 8) == 128 and fma_rot_rows(256, 8) == 128
