@@ -174,9 +174,8 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
             dec = DecodePlan(pool, 2, 128, q_heads=hq, l2_ahead=ahead)
             dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
             dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
-        # whole tiles without token masks, and the write loading its whole rotation at once with four warps
-        dec = DecodePlan(pool, 2, 128, q_heads=hq, peel=True,
-                         write_tuning=dict(block_n=1, rot_precision="fma", num_warps=4, rot_rows=d))
+        # whole tiles without token masks (the split loop's peeled tail)
+        dec = DecodePlan(pool, 2, 128, q_heads=hq, peel=True)
         dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
 

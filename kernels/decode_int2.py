@@ -178,8 +178,11 @@ recent 256) one tile ahead is level at bs1 (55.7 µs vs 56.8 at 100k) and 1.6% s
 two tiles ahead 16% slower at bs32 and bs50: the split kernel is not waiting on HBM."""
 ROWS_PEEL = False
 """Row-scale path: run a split's whole tiles without token masks and its partial last tile, if any, after them with
-masks (``decode_int2(peel=...)``): no per-token bound checks, score selects or masked value-scale loads in the
-loop (~5% of its instructions per tile at d = 128, from the sm_90 SASS)."""
+masks (``decode_int2(peel=...)``): no per-token bound checks, score selects or masked value-scale loads in the loop
+(1,568 instructions per tile and warp at d = 128 against 1,683, from the sm_90 SASS). Off: the two copies of the tile
+body compile to 254 registers against 233 (80 bytes of spills under the large-batch cap), and on an H200
+(``bench_decode.py --variants --set write-peel``, commit 1c022d0) it was level at bs1 and 2-4% slower at bs32/32k
+and bs50/100k."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:

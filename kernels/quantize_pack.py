@@ -66,6 +66,8 @@ def fma_rot_rows(head_dim: int, num_warps: int) -> int:
     """Rows of ``R`` per step for ``rot_rows=0``: as many as keep ``ROT_ELEMS_PER_THREAD`` of its elements per thread
     (all of them at d = 128 with four warps, so one HBM trip; 32 with one warp, the earlier default)."""
     return max(1, min(head_dim, ROT_ELEMS_PER_THREAD * 32 * num_warps // head_dim))
+
+
 DECODE_WRITE = dict(block_n=1, rot_precision="fma", num_warps=4, rot_rows=0)
 """Launch parameters of a decode step's K/V write (one new token per sequence; ``DecodePlan``'s default
 ``write_tuning``): one token per program, rotated by fp32 multiply-adds on the CUDA cores. Measured on an
@@ -75,9 +77,8 @@ the write ~6 µs instead of ~19; faster at every measured batch up to bs32 (bs32
 defaults compile to 255 registers and spill at d = 128; this one (one warp then) used 156 and did not.
 
 Since commit 1c022d0 four warps per program load the whole rotation at once (``rot_rows=0``: all of ``R`` up to
-d = 128, :func:`fma_rot_rows`) instead of one warp
-32 rows at a time: in a whole decode step over pools larger than the L2 the rotations come from HBM and one warp
-waited on four trips for them. Measured on an H200 (``bench_decode.py --variants --set write-peel``, per layer of a
+d = 128, :func:`fma_rot_rows`) instead of one warp 32 rows at a time: in a whole decode step over pools larger than
+the L2 the rotations come from HBM and one warp waited on four trips for them. Measured on an H200 (``bench_decode.py --variants --set write-peel``, per layer of a
 step, sink 64 / recent 256): bs1/8k 27.7 -> 20.6 µs, bs1/32k 33.2 -> 25.9, bs1/100k 56.2 -> 46.8; bs32/32k 307.0
 -> 307.5 and bs50/100k 1262.9 -> 1266.6 (level); eight warps measured the same as four. 163 registers at d = 128,
 no spills."""

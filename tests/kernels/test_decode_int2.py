@@ -130,9 +130,8 @@ def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
     """The row-scale kernel's slot prefetch, early value loads, software pipeline (one and several tiles per
     split), exact rows by head-dim quarters, L2 prefetch and unmasked whole tiles (``peel``: splits with and without
     a partial last tile, one with none whole), the merge split over output columns and the exact split's tile give
-    the reference answer (ragged
-    lengths, per-sequence split counts, NaN-poisoned workspace and out); the general path takes the merge and
-    exact-tile knobs too (g = 32)."""
+    the reference answer (ragged lengths, per-sequence split counts, NaN-poisoned workspace and out); the general
+    path takes the merge and exact-tile knobs too (g = 32)."""
     gen = torch.Generator().manual_seed(211 + len(knobs) + knobs.get("merge_cols", 0))
     for g in (128, 32):
         if g == 32 and not set(knobs) <= {"merge_cols", "block_nb"}:

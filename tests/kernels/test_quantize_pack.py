@@ -90,8 +90,8 @@ def test_kernel_prerotated_is_bit_exact(d, group, dtype):
 @pytest.mark.parametrize("path", ["dot", "fma", "fma-all-rows"])
 def test_kernel_fused_rotation(d, group, shared_rot, path):
     """Fused rotation, through tensor-core dots or (``rot_precision="fma"``, few tokens per program) CUDA-core
-    multiply-adds, 32 rows of the rotation per step or all of them at once (``rot_rows=d``, four warps): fp32 sums
-    in another order, so a rare code may move by one at a rounding boundary."""
+    multiply-adds, 32 rows of the rotation per step or (``rot_rows=0``, four warps) all of them at once at these
+    head dims: fp32 sums in another order, so a rare code may move by one at a rounding boundary."""
     g = d if group == "row" else group
     gen = torch.Generator().manual_seed(d * 3 + g + shared_rot)
     hkv, slots = 4, N_TOK + 5
