@@ -1,7 +1,7 @@
 """Decode on Qwen3-8B shapes: INT2 (``DecodePlan``) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
 
 Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge | --variants
-[--set l2|write-peel|one-wave] [--recent N]] [--results benchmarks/RESULTS.md]
+[--set l2|write-peel|one-wave|balance] [--recent N]] [--results benchmarks/RESULTS.md]
 Prints a table (median µs, GB/s on the bytes the attention reads, ratio to the best BF16 backend measured in the same
 run, fraction of the copy bandwidth measured in the same run) and appends it to RESULTS.md with the date, device,
 commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is planned by ``DecodePlan`` over an
@@ -245,8 +245,24 @@ busy); 130 splits run 6, and 8 x 130 INT2 programs plus 2 exact programs per hea
 programs (8 per SM at 233 registers on 132 SMs) exactly; with 3 exact programs per head the last 8 wait for the
 first slots to free (the last INT2 split of each head runs 5 tiles). The set's first run (commit f20c670) had
 "exact splits 2" alone in the middle row (level at 100k, 2 µs slower at 8k and 32k)."""
-VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE}
-"""Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out)."""
+STEP_VARIANTS_BALANCE = [
+    ("exact programs fixed (3 per head)", dict(balance=False)),
+    ("default (balanced exact programs)", {}),
+    ("exact tile 16", dict(block_nb=16)),
+    ("exact tile 16, 1568 programs", dict(block_nb=16, min_programs=1568)),
+    ("exact tile 16, 1568 programs, exact programs fixed", dict(block_nb=16, min_programs=1568, balance=False)),
+    ("1568 programs", dict(min_programs=1568)),
+]
+"""``--variants --set balance``: exact programs per sequence from the context (``DecodePlan(balance=True)``, now the
+default: one at bs1/100k, whose INT2 splits then take 130 of the 131 programs per head, six tiles each) against three
+for every sequence; and the same with 16-row exact tiles, whose kernel fits in 168 registers (12 one-warp programs
+per SM instead of 8), alone and with 1568 programs at bs1 (196 splits: four tiles each at 100k); 1568 programs
+at 233 registers is the control (two waves)."""
+VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
+                "balance": STEP_VARIANTS_BALANCE}
+"""Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out). The sets measured
+before ``balance`` became the default (all but ``balance``) ran with three exact programs for every sequence; run
+them with ``balance=False`` added to compare."""
 STEP_VARIANTS = [
     ("query rotation in its own launch", dict(fuse_q_rotation=False)),
     ("default", {}),

@@ -15,7 +15,7 @@ import sys
 import types
 
 _EXPORTS = {
-    "decode_int2": ("DecodeIndex", "SplitPolicy", "decode_index", "decode_int2", "decode_int2_ref", "decode_workspace",
+    "decode_int2": ("DecodeIndex", "SplitPolicy", "balance_counts", "decode_index", "decode_int2", "decode_int2_ref", "decode_workspace",
                     "default_num_splits", "split_policy"),
     "extend_int2": ("ExtendIndex", "dequant_scratch", "extend_int2", "extend_int2_dequant", "extend_int2_ref"),
     "layout": ("DEFAULT_CLIP_RATIO", "SCALE_EPS", "Int2Pool", "LayerCache", "cached_rows_ref", "dequantize_ref",
@@ -59,6 +59,7 @@ __all__ = [
     "Int2Pool",
     "LayerCache",
     "SplitPolicy",
+    "balance_counts",
     "cached_rows_ref",
     "decode_index",
     "decode_int2",

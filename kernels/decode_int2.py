@@ -230,9 +230,16 @@ _BF16_PLANE3 = tl.constexpr(_plane_asm(6, _BF16_PAIR))
 
 
 @triton.jit
-def _active_splits(NUM_SPLITS, b, max_splits):
-    """INT2 splits of sequence ``b``: ``clamp(num_splits[b], 1, max_splits)`` (split kernels and merge agree on it)."""
-    return tl.minimum(tl.maximum(tl.load(NUM_SPLITS + b), 1), max_splits)
+def _split_counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT: tl.constexpr):
+    """Programs of sequence ``b`` (split kernels and merge agree on them): ``e`` exact programs, ``clamp(num_exact[b],
+    1, exact_splits)`` (``PER_SEQ_EXACT``) or ``exact_splits``, and ``n = clamp(num_splits[b], 1, parts - e)`` INT2
+    splits; partials ``[0, n)`` are the INT2 splits', ``[n, n + e)`` the exact programs'."""
+    if PER_SEQ_EXACT:
+        e = tl.minimum(tl.maximum(tl.load(NUM_EXACT + b), 1), exact_splits)
+    else:
+        e = exact_splits
+    n = tl.minimum(tl.maximum(tl.load(NUM_SPLITS + b), 1), parts - e)
+    return n, e
 
 
 @triton.jit
@@ -492,8 +499,8 @@ def _decode_rows_kernel(
     K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
-    PART_O, PART_LSE, NUM_SPLITS,
-    max_splits, exact_splits,
+    PART_O, PART_LSE, NUM_SPLITS, NUM_EXACT,
+    parts, exact_splits,
     stride_qnb, stride_qnh,
     stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
     stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
@@ -504,7 +511,7 @@ def _decode_rows_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
     MAGIC: tl.constexpr, DOT_T: tl.constexpr, BF_PV_T: tl.constexpr, OFF64: tl.constexpr,
     PREFETCH: tl.constexpr, EARLY_V: tl.constexpr, PIPELINE: tl.constexpr, PDL: tl.constexpr,
-    EXACT_QUARTERS: tl.constexpr, L2_AHEAD: tl.constexpr, PEEL: tl.constexpr,
+    EXACT_QUARTERS: tl.constexpr, L2_AHEAD: tl.constexpr, PEEL: tl.constexpr, PER_SEQ_EXACT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -515,7 +522,8 @@ def _decode_rows_kernel(
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
     q_rows = QN + b * stride_qnb + heads[None, :] * stride_qnh  # [1, H]
-    num_splits = _active_splits(NUM_SPLITS, b, max_splits)  # the plan's: written before the previous launch
+    # the plan's counts: written before the previous launch
+    num_splits, num_exact = _split_counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT)
     if PDL:  # launched early: wait for the step's write (q', the new rows), then let the merge launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -635,9 +643,9 @@ def _decode_rows_kernel(
         tl.store(o_rows + 1 + 2 * D4, a6 * (il * R2) + zt, mask=mh)
         tl.store(o_rows + 1 + 3 * D4, a7 * (il * R3) + zt, mask=mh)
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
-    elif split >= max_splits:
+    elif split < num_splits + num_exact:
         # ---------------- exact (BF16) split: tokens x heads, natural element order ----------------
-        bf_start, bf_lo, bf_hi = _exact_range(BF16_INDPTR, b, split - max_splits, exact_splits, BLOCK_NB)
+        bf_start, bf_lo, bf_hi = _exact_range(BF16_INDPTR, b, split - num_splits, num_exact, BLOCK_NB)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         if EXACT_QUARTERS:  # rows read and multiplied a quarter of the head dim at a time: fewer live registers
@@ -781,8 +789,8 @@ def _decode_int2_kernel(
     K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
-    PART_O, PART_LSE, NUM_SPLITS,
-    max_splits, exact_splits,
+    PART_O, PART_LSE, NUM_SPLITS, NUM_EXACT,
+    parts, exact_splits,
     stride_qnb, stride_qnh,
     stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh,
     stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh,
@@ -791,7 +799,7 @@ def _decode_int2_kernel(
     stride_plb, stride_plh,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
-    QK_T: tl.constexpr, PV_T: tl.constexpr, PTX_UNPACK: tl.constexpr,
+    QK_T: tl.constexpr, PV_T: tl.constexpr, PTX_UNPACK: tl.constexpr, PER_SEQ_EXACT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -799,8 +807,8 @@ def _decode_int2_kernel(
     D4: tl.constexpr = HEAD_DIM // 4
     BQ: tl.constexpr = GROUP_SIZE // 4
     NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
-    num_splits = _active_splits(NUM_SPLITS, b, max_splits)
-    if (split < num_splits) | (split >= max_splits):
+    num_splits, num_exact = _split_counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT)
+    if split < num_splits + num_exact:
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < GQA
         heads = kvh * GQA + offs_h
@@ -901,7 +909,7 @@ def _decode_int2_kernel(
                 m_i = m_new
         else:
             # ---------------- exact (BF16) split ----------------
-            bf_start, bf_lo, bf_hi = _exact_range(BF16_INDPTR, b, split - max_splits, exact_splits, BLOCK_NB)
+            bf_start, bf_lo, bf_hi = _exact_range(BF16_INDPTR, b, split - num_splits, num_exact, BLOCK_NB)
             for start in range(bf_lo, bf_hi, BLOCK_NB):
                 offs_n = start + tl.arange(0, BLOCK_NB)
                 mask_n = offs_n < bf_hi
@@ -925,14 +933,14 @@ def _decode_int2_kernel(
 
 @triton.jit
 def _decode_int2_merge_kernel(
-    PART_O, PART_LSE, NUM_SPLITS, ROT_V, OUT,
-    max_splits,
+    PART_O, PART_LSE, NUM_SPLITS, NUM_EXACT, ROT_V, OUT,
+    parts, exact_splits,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     stride_rh, stride_rr, stride_rc,
     stride_ob, stride_oh, stride_od,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, ROT_PER_HEAD: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, ROT_ROWS: tl.constexpr, COLS: tl.constexpr, EXACT_SPLITS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, ROT_ROWS: tl.constexpr, COLS: tl.constexpr, PER_SEQ_EXACT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The merge of one (sequence, query head), output columns ``[c * COLS, (c + 1) * COLS)``: partial weights from
@@ -950,22 +958,20 @@ def _decode_int2_merge_kernel(
         if ROT_ROWS == COLS:
             r_pre = tl.load(r_base + (col + offs_r)[:, None] * stride_rr + offs_d[None, :] * stride_rc)
         tl.extra.cuda.gdc_wait()
-    num_splits = _active_splits(NUM_SPLITS, b, max_splits)
+    num_splits, num_exact = _split_counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT)
+    total = num_splits + num_exact  # partials [0, n) INT2, [n, n + e) exact
     offs_p = tl.arange(0, BLOCK_P)
     lse_row = PART_LSE + b * stride_plb + h * stride_plh
-    valid = (offs_p < num_splits) | ((offs_p >= max_splits) & (offs_p < max_splits + EXACT_SPLITS))
-    lse = tl.load(lse_row + offs_p, mask=valid, other=float("-inf"))
+    lse = tl.load(lse_row + offs_p, mask=offs_p < total, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w_sum = tl.sum(tl.exp2(lse - m), 0)
     o_row = PART_O + b * stride_pob + h * stride_poh
     o = tl.zeros([HEAD_DIM], tl.float32)
-    for e in tl.static_range(EXACT_SPLITS):
-        o += tl.exp2(tl.load(lse_row + max_splits + e) - m) * tl.load(o_row + (max_splits + e) * stride_pos + offs_d)
     offs_c = tl.arange(0, SPLIT_CHUNK)
-    for c0 in range(0, num_splits, SPLIT_CHUNK):
+    for c0 in range(0, total, SPLIT_CHUNK):
         idx = c0 + offs_c
-        ok = idx < num_splits
+        ok = idx < total
         w_c = tl.exp2(tl.load(lse_row + idx, mask=ok, other=float("-inf")) - m)
         tile = tl.load(o_row + idx[:, None] * stride_pos + offs_d[None, :], mask=ok[:, None], other=0.0)
         o += tl.sum(w_c[:, None] * tile, 0)
@@ -1017,6 +1023,63 @@ def split_count(kv_len, split_tokens, min_splits, min_split_tokens, max_splits):
     return tl.maximum(tl.minimum(by_len, cap), 1)
 
 
+EXACT_BALANCE = True
+""":class:`~oscar_kernels.plan.DecodePlan` default: exact programs per sequence from :func:`balance_counts` (the
+context sets how many the exact rows need; an occupancy-bound sequence takes the programs they leave as INT2
+splits) instead of ``exact_splits`` for every sequence."""
+EXACT_ROWS_PER_TILE = 64
+"""Balance rule: exact rows one exact program takes per 128-token INT2 tile of the sequence's longest split, so an
+exact program (32-row bf16 tiles) ends about when the INT2 splits do. From the exact-program sweeps on an H200
+(``EXACT_SPLIT_ROWS``; commits 418023b and b61799f): at bs1/8k and 32k (two INT2 tiles per split) three programs of
+<= 128 rows were needed, two cost 2.5 µs; at bs1/100k (seven tiles) one program of 320 rows was level with three."""
+
+
+@triton.jit
+def balance_count(n_int2, n_exact, n, parts, exact_splits, split_tokens, min_splits, min_split_tokens,
+                  BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, MIN_ROWS: tl.constexpr):
+    """Triton twin of :func:`balance_counts` (element-wise): ``(INT2 splits, exact programs)``."""
+    length = tl.maximum(n_int2, 1)
+    tiles = tl.cdiv(tl.cdiv(length, n), BLOCK_N)
+    rows = tl.maximum(tiles * ROWS_PER_TILE, MIN_ROWS)
+    e = tl.minimum(tl.maximum(tl.cdiv(n_exact, rows), 1), exact_splits)
+    n2 = tl.minimum(parts - e, tl.cdiv(length, min_split_tokens))
+    t2 = tl.cdiv(tl.cdiv(length, n2), BLOCK_N)
+    grown = tl.cdiv(length, t2 * BLOCK_N)
+    return tl.where(tl.cdiv(length, split_tokens) <= min_splits, grown, n), e
+
+
+def balance_counts(kv_lens: torch.Tensor, exact_lens: torch.Tensor, policy: SplitPolicy, exact_splits: int,
+                   block_n: int, rows_per_tile: int = EXACT_ROWS_PER_TILE,
+                   min_rows: int = EXACT_SPLIT_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, ``(n, e)``: INT2 splits and exact programs within a grid of ``parts = policy.max_splits +
+    exact_splits`` programs per (sequence, KV head), for ``kv_lens`` INT2 tokens and ``exact_lens`` exact rows.
+
+    * ``e = clamp(ceil(exact_len / rows), 1, exact_splits)``, ``rows = max(min_rows, t * rows_per_tile)`` with ``t``
+      the ``block_n`` tiles of the longest of the policy's ``n`` splits: a long context needs fewer exact programs
+      (one of 320 rows against seven-tile splits), a short one keeps ``ceil(rows / min_rows)``.
+    * A sequence whose split count is set by occupancy (``ceil(L / split_tokens) <= min_splits``: small batches)
+      then takes the programs the exact rows leave: the fewest splits that reach the tile count of ``min(parts - e,
+      ceil(L / min_split_tokens))`` splits. At bs1/100k (Qwen3-8B shapes, sink 64 / recent 256): 130 INT2 splits of
+      six tiles and one exact program in 131 programs per head, against 128 splits of seven tiles (112 of them
+      busy) and three exact programs. Length-bound sequences keep the policy's count.
+
+    int32 tensors on the lengths' device (no sync); :func:`balance_count` is the plan kernel's twin."""
+    length = kv_lens.long().clamp_min(1)
+    n = policy.num_splits(kv_lens).long()
+    parts = policy.max_splits + exact_splits
+    tiles = _cdiv(_cdiv(length, n), block_n)
+    rows = torch.clamp_min(tiles * rows_per_tile, min_rows)
+    e = torch.clamp(_cdiv(exact_lens.long(), rows), 1, exact_splits)
+    n2 = torch.minimum(parts - e, _cdiv(length, policy.min_split_tokens))
+    grown = _cdiv(length, _cdiv(_cdiv(length, n2), block_n) * block_n)
+    n = torch.where(_cdiv(length, policy.split_tokens) <= policy.min_splits, grown, n)
+    return n.to(torch.int32), e.to(torch.int32)
+
+
+def _cdiv(a: torch.Tensor, b) -> torch.Tensor:
+    return (a + b - 1) // b
+
+
 _UNBOUNDED = 2**30
 
 
@@ -1058,10 +1121,16 @@ class DecodeIndex:
 
     * ``kv_indptr`` int32 ``[B + 1]``, ``kv_indices`` int32 ``[>= nnz]``: INT2 slots of each sequence;
     * ``bf16_indptr`` int32 ``[B + 1]``, ``bf16_indices`` int32 ``[>= nnz_bf16]``: exact rows of each sequence;
-    * ``num_splits`` int32 ``[B]`` device tensor: INT2 splits per sequence (clamped to ``[1, max_splits]``);
-    * ``max_splits``: host int, the grid's split bound;
-    * ``exact_splits``: host int, programs sharing each sequence's exact rows (whole ``BF16_BLOCK_N`` tiles each;
-      the workspace holds ``max_splits + exact_splits`` partials per head).
+    * ``max_splits``, ``exact_splits``: host ints; the grid and the workspace hold ``parts = max_splits +
+      exact_splits`` programs and partials per (sequence, KV head);
+    * ``num_exact`` int32 ``[B]`` device tensor or None: programs sharing each sequence's exact rows (whole
+      ``BF16_BLOCK_N`` tiles each), clamped to ``[1, exact_splits]``; None: ``exact_splits`` for every sequence;
+    * ``num_splits`` int32 ``[B]`` device tensor: INT2 splits per sequence, clamped to ``[1, parts - e_b]`` (``e_b``
+      its exact programs: ``max_splits`` without ``num_exact``; a sequence with fewer exact programs may use the
+      programs they leave, see :func:`balance_counts`).
+
+    Program ``i`` of sequence ``b`` runs INT2 split ``i`` for ``i < n_b``, exact part ``i - n_b`` for ``n_b <= i <
+    n_b + e_b``, and exits otherwise; its partial is ``i``.
     """
 
     kv_indptr: torch.Tensor
@@ -1071,6 +1140,7 @@ class DecodeIndex:
     num_splits: torch.Tensor
     max_splits: int
     exact_splits: int = 1
+    num_exact: torch.Tensor | None = None
 
     @property
     def parts(self) -> int:
@@ -1085,6 +1155,8 @@ class DecodeIndex:
         check_index("kv", self.kv_indptr, self.kv_indices, batch)
         check_index("bf16", self.bf16_indptr, self.bf16_indices, batch)
         check_seq("num_splits", self.num_splits, batch)
+        if self.num_exact is not None:
+            check_seq("num_exact", self.num_exact, batch)
         if not isinstance(self.max_splits, int) or self.max_splits < 1:
             raise ValueError(f"max_splits must be a host int >= 1, got {self.max_splits!r}")
         if not isinstance(self.exact_splits, int) or self.exact_splits < 1:
@@ -1241,6 +1313,8 @@ def decode_int2(
                          "pass prefetch=True or l2_ahead=2")
     l2_ahead = 0 if fp32_dot or pipeline else l2_ahead  # PTX only; the pipelined loop holds its next tile already
     k, v = cache.k, cache.v
+    per_seq_exact = index.num_exact is not None
+    num_exact = index.num_exact if per_seq_exact else index.num_splits  # not read without per-sequence counts
     if rotate_q:
         _rotate_q_kernel[(bsz, hkv)](
             q, cache.rot_k, q_rot, sm_scale * LOG2E,
@@ -1257,8 +1331,8 @@ def decode_int2(
             kw, k.scale, k.zero, vw, v.scale, v.zero,
             cache.k_bf16, cache.v_bf16,
             index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
-            part_o, part_lse, index.num_splits,
-            max_splits, index.exact_splits,
+            part_o, part_lse, index.num_splits, num_exact,
+            parts, index.exact_splits,
             q_rot.stride(0), q_rot.stride(1),
             kw.stride(0), kw.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0), k.zero.stride(1),
             vw.stride(0), vw.stride(1), v.scale.stride(0), v.scale.stride(1), v.zero.stride(0), v.zero.stride(1),
@@ -1270,7 +1344,7 @@ def decode_int2(
             MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
             BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
             PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline), PDL=pdl, EXACT_QUARTERS=bool(exact_quarters),
-            L2_AHEAD=l2_ahead, PEEL=bool(peel) and not pipeline,
+            L2_AHEAD=l2_ahead, PEEL=bool(peel) and not pipeline, PER_SEQ_EXACT=per_seq_exact,
             num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES, launch_pdl=pdl,
             **({"maxnreg": max_registers} if max_registers else {}),
         )
@@ -1284,8 +1358,8 @@ def decode_int2(
             k.codes, k.scale, k.zero, v.codes, v.scale, v.zero,
             cache.k_bf16, cache.v_bf16,
             index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
-            part_o, part_lse, index.num_splits,
-            max_splits, index.exact_splits,
+            part_o, part_lse, index.num_splits, num_exact,
+            parts, index.exact_splits,
             q_rot.stride(0), q_rot.stride(1),
             k.codes.stride(0), k.codes.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0), k.zero.stride(1),
             v.codes.stride(0), v.codes.stride(1), v.scale.stride(0), v.scale.stride(1), v.zero.stride(0), v.zero.stride(1),
@@ -1295,19 +1369,19 @@ def decode_int2(
             GQA=gqa, BLOCK_H=max(GENERAL_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d, GROUP_SIZE=g,
             BLOCK_N=block_n or DEFAULT_BLOCK_N, BLOCK_NB=block_nb or BF16_BLOCK_N,
             QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
-            PTX_UNPACK=bool(ptx_unpack),
+            PTX_UNPACK=bool(ptx_unpack), PER_SEQ_EXACT=per_seq_exact,
             num_warps=num_warps, num_stages=num_stages or GENERAL_STAGES,
         )
     cols = min(d, merge_cols)
     _decode_int2_merge_kernel[(bsz, hq, d // cols)](
-        part_o, part_lse, index.num_splits, cache.rot_v, out,
-        max_splits,
+        part_o, part_lse, index.num_splits, num_exact, cache.rot_v, out,
+        parts, index.exact_splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         *cache.rot_v.stride(),
         *out.stride(),
         GQA=gqa, HEAD_DIM=d, BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1,
-        SPLIT_CHUNK=merge_chunk, ROT_ROWS=min(cols, MERGE_ROT_ROWS), COLS=cols, EXACT_SPLITS=index.exact_splits,
+        SPLIT_CHUNK=merge_chunk, ROT_ROWS=min(cols, MERGE_ROT_ROWS), COLS=cols, PER_SEQ_EXACT=per_seq_exact,
         PDL=pdl, num_warps=MERGE_WARPS, launch_pdl=pdl,
     )
     return out

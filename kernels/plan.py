@@ -34,11 +34,16 @@ import triton
 import triton.language as tl
 
 from .decode_int2 import (
+    DEFAULT_BLOCK_N as DECODE_GENERAL_BLOCK_N,
+    EXACT_BALANCE,
+    EXACT_ROWS_PER_TILE,
     EXACT_SPLIT_ROWS,
     LOG2E,
+    ROWS_BLOCK_N,
     MIN_SPLIT_TOKENS,
     DecodeIndex,
     decode_int2,
+    balance_count,
     row_path,
     split_count,
     split_policy,
@@ -83,9 +88,11 @@ def _ranges(c0, ext, first, max_len, SINK: tl.constexpr, RECENT: tl.constexpr, D
 
 @triton.jit
 def _plan_lengths_kernel(
-    C0, EXT, START, KV_INDPTR, BF16_INDPTR, QO_INDPTR, NUM_SPLITS,
-    batch, max_len, split_tokens, min_splits, min_split_tokens, max_splits,
+    C0, EXT, START, KV_INDPTR, BF16_INDPTR, QO_INDPTR, NUM_SPLITS, NUM_EXACT,
+    batch, max_len, split_tokens, min_splits, min_split_tokens, max_splits, exact_splits,
     SINK: tl.constexpr, RECENT: tl.constexpr, DECODE: tl.constexpr, BLOCK_B: tl.constexpr,
+    BALANCE: tl.constexpr = False, BLOCK_N: tl.constexpr = 128, ROWS_PER_TILE: tl.constexpr = 64,
+    MIN_ROWS: tl.constexpr = 128,
 ):
     offs = tl.arange(0, BLOCK_B)
     m = offs < batch
@@ -100,8 +107,12 @@ def _plan_lengths_kernel(
     tl.store(KV_INDPTR + 1 + offs, tl.cumsum(n_int2, 0), mask=m)
     tl.store(BF16_INDPTR + 1 + offs, tl.cumsum(n_ex, 0), mask=m)
     if DECODE:  # one token per sequence: qo_indptr is a fixed arange; every sequence gets its split count
-        tl.store(NUM_SPLITS + offs, split_count(n_int2, split_tokens, min_splits, min_split_tokens, max_splits),
-                 mask=m)
+        n = split_count(n_int2, split_tokens, min_splits, min_split_tokens, max_splits)
+        if BALANCE:  # and its exact-program count, the INT2 splits taking what the exact rows leave
+            n, e = balance_count(n_int2, n_ex, n, max_splits + exact_splits, exact_splits, split_tokens, min_splits,
+                                 min_split_tokens, BLOCK_N, ROWS_PER_TILE, MIN_ROWS)
+            tl.store(NUM_EXACT + offs, e, mask=m)
+        tl.store(NUM_SPLITS + offs, n, mask=m)
     else:
         tl.store(QO_INDPTR, 0)
         tl.store(QO_INDPTR + 1 + offs, tl.cumsum(tl.where(m, ext, 0), 0), mask=m)
@@ -190,6 +201,7 @@ class _Plan:
         nx = max(max_batch * pool.rows_per_request, 1)
         self._buffers: dict[str, torch.Tensor] = {}
         for name, size in (("c0", max_batch), ("ext", max_batch), ("start", max_batch), ("num_splits", max_batch),
+                           ("num_exact", max_batch),
                            ("qo_indptr", max_batch + 1), ("kv_indptr", max_batch + 1), ("bf16_indptr", max_batch + 1),
                            ("kv_indices", max_batch * max_seq_len), ("bf16_indices", nx), ("bf16_pos", nx),
                            ("bf16_loc", max_tokens)):
@@ -203,7 +215,8 @@ class _Plan:
         """Device bytes this plan allocated at construction (index buffers, decode workspace, scratch)."""
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
-    def _fill(self, req_to_token, req_pool_indices, c0, ext, start, loc, bsz, policy=None) -> None:
+    def _fill(self, req_to_token, req_pool_indices, c0, ext, start, loc, bsz, policy=None,
+              balance: dict | None = None) -> None:
         decode = policy is not None
         b = self._buffers
         b["req"][:bsz].copy_(req_pool_indices)
@@ -223,10 +236,14 @@ class _Plan:
         pool = self.pool
         sp = (policy.split_tokens, policy.min_splits, policy.min_split_tokens, policy.max_splits) if decode \
             else (1, 1, 1, 1)
+        balance = balance or {}
         _plan_lengths_kernel[(1,)](
             b["c0"], b["ext"], b["start"], b["kv_indptr"], b["bf16_indptr"], b["qo_indptr"], b["num_splits"],
-            bsz, self.max_seq_len, *sp,
+            b["num_exact"], bsz, self.max_seq_len, *sp, balance.get("exact_splits", 1),
             SINK=pool.sink, RECENT=pool.recent, DECODE=decode, BLOCK_B=triton.next_power_of_2(bsz),
+            BALANCE=bool(balance), BLOCK_N=balance.get("block_n", 128),
+            ROWS_PER_TILE=balance.get("rows_per_tile", EXACT_ROWS_PER_TILE),
+            MIN_ROWS=balance.get("min_rows", EXACT_SPLIT_ROWS),
         )
         _plan_fill_kernel[(bsz, triton.cdiv(self.max_seq_len, FILL_PART))](
             req_to_token, req_to_token.stride(0), b["req"], b["c0"], b["ext"], b["start"],
@@ -263,7 +280,12 @@ class DecodePlan(_Plan):
             :func:`~oscar_kernels.quantize_pack.quantize_pack_kv`; default
             :data:`~oscar_kernels.quantize_pack.DECODE_WRITE`, the measured fastest for a decode step's rows).
         exact_splits: programs sharing each sequence's exact rows (default ``ceil((sink + recent) /
-            EXACT_SPLIT_ROWS)``, see :data:`~oscar_kernels.decode_int2.EXACT_SPLIT_ROWS`).
+            EXACT_SPLIT_ROWS)``, see :data:`~oscar_kernels.decode_int2.EXACT_SPLIT_ROWS`); with ``balance``, the
+            most any sequence gets.
+        balance: per sequence, as many exact programs as its context needs (at most ``exact_splits``) and, for
+            sequences whose split count is set by occupancy, the programs left over as INT2 splits
+            (:func:`~oscar_kernels.decode_int2.balance_counts`; default
+            :data:`~oscar_kernels.decode_int2.EXACT_BALANCE`). The grid and workspace are the same either way.
         fuse_q_rotation: :meth:`run` rotates the queries in the launch of the step's K/V write (one launch per
             layer fewer; :func:`~oscar_kernels.quantize_pack.quantize_pack_kv` with ``q``) instead of in
             :func:`~oscar_kernels.decode_int2.decode_int2`'s own query-rotation launch. Default ``True``.
@@ -277,7 +299,8 @@ class DecodePlan(_Plan):
                  q_heads: int, sm_scale: float | None = None, row_kernel: bool | None = None,
                  split_tokens: int | None = None, min_programs: int | None = None,
                  min_split_tokens: int = MIN_SPLIT_TOKENS, write_tuning: dict | None = None,
-                 exact_splits: int | None = None, fuse_q_rotation: bool = True, pdl: bool = False, **tuning):
+                 exact_splits: int | None = None, balance: bool = EXACT_BALANCE, fuse_q_rotation: bool = True,
+                 pdl: bool = False, **tuning):
         super().__init__(pool, max_batch, max_seq_len, max_batch)
         if q_heads % pool.kv_heads:
             raise ValueError(f"q_heads {q_heads} must be a multiple of the pool's KV heads {pool.kv_heads}")
@@ -301,6 +324,7 @@ class DecodePlan(_Plan):
         if exact_splits < 1:
             raise ValueError(f"exact_splits must be >= 1, got {exact_splits}")
         self.exact_splits = exact_splits
+        self.balance = bool(balance)
         b = self._buffers
         b["qo_indptr"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))  # one token per sequence
         b["ext"].fill_(1)
@@ -320,6 +344,10 @@ class DecodePlan(_Plan):
             return self.split_cap
         return split_policy(max(bsz, 1), self.pool.kv_heads, self._int2_len(self.max_seq_len), self.row_kernel,
                             None, **self._policy_args).max_splits
+
+    def int2_block_n(self) -> int:
+        """INT2 tokens per tile of the split kernel the steps run (the balance rule counts tiles)."""
+        return self.tuning.get("block_n") or (ROWS_BLOCK_N if self.row_kernel else DECODE_GENERAL_BLOCK_N)
 
     def grid_bound(self, bsz: int) -> int:
         """The split bound (grid and workspace) a batch of ``bsz`` sequences is planned with."""
@@ -346,11 +374,13 @@ class DecodePlan(_Plan):
         bound = self._int2_len(min(max_seq_len or self.max_seq_len, self.max_seq_len))
         grid = self._bounds[max(bsz, 1)]
         policy = split_policy(bsz, self.pool.kv_heads, bound, self.row_kernel, grid, **self._policy_args)
-        self._fill(req_to_token, req_pool_indices, seq_lens, None, start, out_cache_loc, bsz, policy)
+        balance = dict(exact_splits=self.exact_splits, block_n=self.int2_block_n()) if self.balance else None
+        self._fill(req_to_token, req_pool_indices, seq_lens, None, start, out_cache_loc, bsz, policy, balance)
         b = self._buffers
         self.batch = self.tokens = bsz
         self.index = DecodeIndex(b["kv_indptr"][:bsz + 1], b["kv_indices"], b["bf16_indptr"][:bsz + 1],
-                                 b["bf16_indices"], b["num_splits"][:bsz], grid, self.exact_splits)
+                                 b["bf16_indices"], b["num_splits"][:bsz], grid, self.exact_splits,
+                                 b["num_exact"][:bsz] if self.balance else None)
         hq, d, parts = self.q_heads, self.pool.head_dim, self.index.parts
         self._workspace = (b["part_o"][:bsz * hq * parts * d].view(bsz, hq, parts, d),
                            b["part_lse"][:bsz * hq * parts].view(bsz, hq, parts),

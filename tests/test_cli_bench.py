@@ -595,7 +595,7 @@ def test_measurements_through_a_fake_sglang_server(tmp_path, qwen, monkeypatch):
         for b in (1, 4 if config == "flashinfer" else 12):
             p = by[(config, "profile", b, 1024)]
             assert (p["attention_ms"], p["gemm_ms"], p["other_ms"]) == (3.0, 5.0, 1.5)
-            assert p["steps"] == d.PROFILE_STEPS and Path(p["trace"]).is_file()
+            assert p["steps"] == d.PROFILE_STEPS and Path(p["trace"]).is_file() and p["fill"] == "prefix"
     for fake in fakes.values():  # one unrecorded warm-up (kernel JIT) right before the first latency request
         first = fake.requests.index((256 - 12, 12))
         assert fake.requests[first - 1] == (256 - 12, 4) and fake.requests.count((256 - 12, 4)) == 1
@@ -605,10 +605,11 @@ def test_measurements_through_a_fake_sglang_server(tmp_path, qwen, monkeypatch):
 
 def test_null_fill_holds_the_flag_until_every_stream_decodes(tmp_path, qwen, monkeypatch):
     """--fill null: the servers get the flag path and the benchmark plugin; the flag exists while the distinct
-    prompts arrive (their extends would skip the model) and is gone before they finish and after the run."""
+    prompts arrive (their extends would skip the model) and is gone before they finish and after the run; the
+    profile fills its streams the same way (distinct pages, marked N in its table)."""
     _, model, art = qwen
     monkeypatch.setattr(d.server, "POLL_S", 0.01)
-    cfg = d.BenchConfig(out=tmp_path, configs=("flashinfer",), measures=("throughput",), context_length=2048,
+    cfg = d.BenchConfig(out=tmp_path, configs=("flashinfer",), measures=("throughput", "profile"), context_length=2048,
                         long_context=1024, admission_context=512, latency_contexts=(512,), decode_tokens=80, fill="null",
                         budget_s=60, command="oscar bench (null)")
     fakes = []
@@ -631,6 +632,10 @@ def test_null_fill_holds_the_flag_until_every_stream_decodes(tmp_path, qwen, mon
         fakes[0].flag_at
     assert " N" in d.summary_rows(recs)[0][8] and "N = distinct prompts whose prefill skipped" in \
         d.results_section(recs)
+    prof = [r for r in recs if r["measure"] == "profile"]
+    assert [r["batch"] for r in prof] == [1, 4] and all(r["fill"] == "null" and r["total_ms"] for r in prof), prof
+    assert [r[1] for r in d.profile_rows(recs)] == ["bs1/1k N", "bs4/1k N"]
+    assert len(fakes[0].flag_at) == 4 + 1 + 4  # the throughput streams', then the profiles' (1 + 4): flag at arrival
 
 
 # ------------------------------------------------------------------------------------------------ model, plugin

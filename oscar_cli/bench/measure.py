@@ -333,24 +333,42 @@ def measure_latency(run: Run) -> list[dict]:
 
 
 def profile_point(run: Run, batch: int, context: int) -> dict:
-    """SGLang's torch profiler over :data:`PROFILE_STEPS` decode steps of ``batch`` streams at ``context``
-    (prefix fill), summarised by :func:`trace_summary`."""
+    """SGLang's torch profiler over :data:`PROFILE_STEPS` decode steps of ``batch`` streams at ``context``,
+    summarised by :func:`trace_summary`. The cache is filled as the throughput point at that batch is
+    (:func:`fill_for`): with ``--fill null`` distinct pages, as the tok/s it explains; otherwise one shared prefix
+    (each step still attends over batch x context positions, but the streams read the same pages, which the L2
+    partly serves: a lower bound on a distinct-page step's attention)."""
     cfg = run.cfg
-    prefix, cached = run.ensure_prefix(context)
+    fill = "null" if fill_for(cfg, batch, context) == "null" else "prefix"
+    cached = None
+    if fill == "null":
+        run.flush()
+        prompts = [run.prompt(context - cfg.decode_tokens) for _ in range(batch)]
+        prefill_tokens = batch * (context - cfg.decode_tokens)
+    else:
+        prefix, cached = run.ensure_prefix(context)
+        prompts = [prefix + run.prompt(SUFFIX_TOKENS) for _ in range(batch)]
+        prefill_tokens = batch * SUFFIX_TOKENS
     pid = f"{run.config.name}-bs{batch}-{context}-{int(time.time())}"
     folder = Path(cfg.out).resolve() / "profiles"
     folder.mkdir(parents=True, exist_ok=True)
     steps = max(cfg.decode_tokens, 4 * PROFILE_STEPS)
-    prompts = [prefix + run.prompt(SUFFIX_TOKENS) for _ in range(batch)]
     streams = [Stream(prompt_tokens=len(p)) for p in prompts]
-    timeout = run.ceiling(batch * SUFFIX_TOKENS, steps, batch, context)
+    timeout = run.ceiling(prefill_tokens, steps, batch, context)
+    flag = Path(cfg.out) / NULL_FILL_FLAG if fill == "null" else None
+    if flag is not None:  # the extends skip the model until every stream has its first token
+        flag.touch()
     threads = [threading.Thread(target=stream_generate, args=(run.server.url, p, steps, timeout, s), daemon=True)
                for p, s in zip(prompts, streams, strict=True)]
-    for t in threads:
-        t.start()
-    end = time.perf_counter() + timeout
-    while not all(s.events or s.error for s in streams) and time.perf_counter() < end:
-        time.sleep(0.05)
+    try:
+        for t in threads:
+            t.start()
+        end = time.perf_counter() + timeout
+        while not all(s.events or s.error for s in streams) and time.perf_counter() < end:
+            time.sleep(0.05)
+    finally:
+        if flag is not None:
+            flag.unlink(missing_ok=True)
     run.progress.describe(f"{run.config.name}: profiling bs{batch} at {context}")
     run.server.post("/start_profile", {"output_dir": str(folder), "num_steps": PROFILE_STEPS, "activities": ["GPU"],
                                        "with_stack": False, "record_shapes": False, "profile_id": pid}, timeout=120)
@@ -365,13 +383,13 @@ def profile_point(run: Run, batch: int, context: int) -> dict:
     for t in threads:
         t.join(timeout=max(1.0, end - time.perf_counter()))
     if trace is None:
-        return run.add("profile", batch=batch, context=context, error=f"no trace {pid}* under {folder}")
+        return run.add("profile", batch=batch, context=context, fill=fill, error=f"no trace {pid}* under {folder}")
     summary = trace_summary(trace[1], PROFILE_STEPS)
     if not summary["kernels"]:
-        return run.add("profile", batch=batch, context=context, trace=str(trace[0]),
+        return run.add("profile", batch=batch, context=context, fill=fill, trace=str(trace[0]),
                        error="the trace holds no GPU kernels (graph replays not traced?); rerun with -- "
                              "--cuda-graph-backend-decode disabled")
-    return run.add("profile", batch=batch, context=context, steps=PROFILE_STEPS, trace=str(trace[0]),
+    return run.add("profile", batch=batch, context=context, fill=fill, steps=PROFILE_STEPS, trace=str(trace[0]),
                    probe_cached_tokens=cached, **summary)
 
 

@@ -158,9 +158,9 @@ def profile_rows(records: list[dict]) -> list[list[str]]:
         if r["measure"] != "profile" or r.get("skipped") or r.get("error") or r.get("total_ms") is None:
             continue
         total = r["total_ms"]
-        rows.append([r["config"], f"bs{r['batch']}/{tokens_label(r['context'])}", f"{r['attention_ms']:.2f}",
-                     f"{r['gemm_ms']:.2f}", f"{r['other_ms']:.2f}", f"{total:.2f}",
-                     DASH if not total else f"{r['attention_ms'] / total:.0%}"])
+        point = f"bs{r['batch']}/{tokens_label(r['context'])}{_fill_mark(r)}"
+        rows.append([r["config"], point, f"{r['attention_ms']:.2f}", f"{r['gemm_ms']:.2f}", f"{r['other_ms']:.2f}",
+                     f"{total:.2f}", DASH if not total else f"{r['attention_ms'] / total:.0%}"])
     return rows
 
 
@@ -230,7 +230,9 @@ def results_section(records: list[dict]) -> str:
     prof = profile_rows(records)
     if prof:
         parts += ["", "One decode step, torch profiler through SGLang's `/start_profile` (kernel time per step; "
-                  "attention includes KV writes and attention plans):", "", markdown(PROFILE_HEADERS, prof)]
+                  "attention includes KV writes and attention plans; R: the streams share one prefix, whose pages "
+                  "the L2 partly serves, N: distinct pages, as the throughput column's N):", "",
+                  markdown(PROFILE_HEADERS, prof)]
     n = notes(records)
     if n:
         parts += ["", "Not measured / failed:", "", *[f"* {x}" for x in n]]

@@ -20,7 +20,7 @@ from oscar_kernels import (
     default_num_splits,
     split_policy,
 )
-from oscar_kernels.decode_int2 import merge_chunk_for, split_count
+from oscar_kernels.decode_int2 import balance_count, balance_counts, merge_chunk_for, split_count
 from oscar_kernels.scheme import CUDA_MIN_HEAD_DIM
 
 # interpreter: short ragged sequences (incl. an empty INT2 part and an empty exact part); GPU: long ones
@@ -178,6 +178,89 @@ def test_decode_exact_rows_shared_by_several_programs(exact_splits):
         decode_int2(q, lists.cache, index, workspace=decode_workspace(q.shape[0], q.shape[1], 128, MAX_SPLITS, DEVICE))
     with pytest.raises(ValueError, match="exact_splits must be"):
         decode_int2(q, lists.cache, lists.index(SPLITS, MAX_SPLITS, 0))
+
+
+@pytest.mark.parametrize("path", ["row", "general"])
+def test_decode_per_sequence_exact_counts(path):
+    """Per-sequence exact programs (``num_exact``, clamped to ``[1, exact_splits]``) and INT2 splits past
+    ``max_splits`` into the programs the exact rows leave (clamped to ``parts - e``): partials ``[0, n)`` INT2, ``[n,
+    n + e)`` exact, the rest never written (the workspace is poisoned) nor read; the answer is the reference's."""
+    gen = torch.Generator().manual_seed(331)
+    bf16_lens = [70, 5, 0, 33] if ON_GPU else [40, 9, 0, 3]
+    g = 128 if path == "row" else 32
+    lists = make_cache(INT2_LENS, bf16_lens, HKV, 128, g, gen)
+    q = (torch.randn(len(INT2_LENS), HKV * 4, 128, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    max_splits, exact_splits = 3, 3
+    # (splits, exact): past max_splits; one exact program of 40 rows; 0 -> 1 exact; over both bounds (clamped)
+    for ns, ne in (([5, 1, 4, 2], [1, 3, 2, 1]), ([1, 2, 1, 9], [0, 1, 3, 7])):
+        index = DecodeIndex(lists.kv_indptr, lists.kv_indices, lists.bf16_indptr, lists.bf16_indices,
+                            torch.tensor(ns, dtype=torch.int32, device=DEVICE), max_splits, exact_splits,
+                            torch.tensor(ne, dtype=torch.int32, device=DEVICE))
+        for kw in ({}, dict(merge_cols=32, merge_chunk=2)):
+            ws = decode_workspace(q.shape[0], q.shape[1], 128, max_splits, DEVICE, exact_splits)
+            for t in ws:
+                t.fill_(float("nan"))
+            out = torch.full(q.shape, float("nan"), device=DEVICE)
+            decode_int2(q, lists.cache, index, workspace=ws, out=out, block_nb=16, row_kernel=path == "row", **kw)
+            ref = decode_int2_ref(q, lists.cache, index)
+            assert torch.isfinite(out).all()
+            torch.testing.assert_close(out, ref, **TOL)
+            assert rel_err(out, ref) <= MAX_REL
+    with pytest.raises(ValueError, match="num_exact must be int32"):
+        decode_int2(q, lists.cache, DecodeIndex(lists.kv_indptr, lists.kv_indices, lists.bf16_indptr,
+                                                lists.bf16_indices, index.num_splits, 3, 3, index.num_exact[:2]))
+
+
+def test_balance_counts_at_the_benchmark_shapes():
+    """The rule at Qwen3-8B shapes (8 KV heads, sink 64 / recent 256: 320 exact rows, 3 exact programs at most,
+    128-token tiles): one long sequence takes 130 six-tile splits and one exact program (131 programs per head, as
+    the grid it had); 8k and 32k keep three exact programs and their splits; bs50/100k (length-bound) keeps its 49
+    splits with one exact program; bs32/32k likewise."""
+    def counts(bs, ctx):
+        lens = torch.full((bs,), ctx - 320)
+        pol = split_policy(bs, 8, ctx - 320, True)
+        n, e = balance_counts(lens, torch.full((bs,), 320), pol, 3, 128)
+        return pol.max_splits, int(n[0]), int(e[0])
+
+    assert counts(1, 100_000) == (128, 130, 1)
+    assert counts(1, 32_768) == (127, 127, 3)
+    assert counts(1, 8192) == (31, 31, 3)
+    assert counts(50, 100_000) == (49, 49, 1)
+    assert counts(32, 32_768) == (16, 16, 1)
+    # 4 + 3 programs: 1000 tokens keep 4 two-tile splits (the fewest for two tiles, also with 6 programs free);
+    # a short exact list -> one program; 5000 tokens (ten-tile splits, 640 exact rows a program) -> two exact
+    # programs, the five left take eight-tile splits; never above parts - e, never below 1
+    pol = split_policy(1, 8, 1000, True, max_splits=4, min_programs=1024, min_split_tokens=16)
+    n, e = balance_counts(torch.tensor([1000, 1000, 0, 5000]), torch.tensor([300, 10, 0, 1000]), pol, 3, 128)
+    assert n.tolist() == [4, 4, 1, 5] and e.tolist() == [3, 1, 1, 2]
+    assert n.dtype == e.dtype == torch.int32
+
+
+@triton.jit
+def _balance_count_kernel(L, E, N, OUT_N, OUT_E, parts, exact_splits, split_tokens, min_splits, min_split_tokens,
+                          BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    n, e = balance_count(tl.load(L + offs), tl.load(E + offs), tl.load(N + offs), parts, exact_splits, split_tokens,
+                         min_splits, min_split_tokens, BLOCK_N, 64, 128)
+    tl.store(OUT_N + offs, n)
+    tl.store(OUT_E + offs, e)
+
+
+def test_balance_count_twin_matches_torch():
+    gen = torch.Generator().manual_seed(47)
+    lens = torch.randint(0, 140000, (64,), generator=gen, dtype=torch.int32)
+    lens[:4] = torch.tensor([0, 1, 256, 99680], dtype=torch.int32)
+    ex = torch.randint(0, 700, (64,), generator=gen, dtype=torch.int32)
+    for bs, cap, exact in ((1, None, 3), (50, None, 3), (4, 5, 2), (1, None, 1)):
+        pol = split_policy(bs, 8, 140000, True, max_splits=cap)
+        want_n, want_e = balance_counts(lens, ex, pol, exact, 128)
+        out_n = torch.full((64,), -1, dtype=torch.int32, device=DEVICE)
+        out_e = torch.full((64,), -1, dtype=torch.int32, device=DEVICE)
+        _balance_count_kernel[(1,)](lens.to(DEVICE), ex.to(DEVICE), pol.num_splits(lens).to(DEVICE), out_n, out_e,
+                                    pol.max_splits + exact, exact, pol.split_tokens, pol.min_splits,
+                                    pol.min_split_tokens, BLOCK=64, BLOCK_N=128)
+        assert torch.equal(out_n.cpu(), want_n) and torch.equal(out_e.cpu(), want_e)
+        assert bool((want_n + want_e <= pol.max_splits + exact).all()) and int(want_n.min()) >= 1
 
 
 def test_decode_reads_a_prerotated_query_from_the_workspace():

@@ -140,7 +140,7 @@ def test_decode_grid_bound_follows_the_batch_size():
     from oscar_kernels.decode_int2 import split_policy
     eng = Engine(QuantScheme(group=0, sink=2, recent=4), 2, 2, 128, reqs=3, max_ctx=200, seed=17)
     knobs = dict(split_tokens=64, min_split_tokens=16, min_programs=16)
-    dec = DecodePlan(eng.pool, 3, 200, q_heads=eng.hq, **knobs)
+    dec = DecodePlan(eng.pool, 3, 200, q_heads=eng.hq, balance=False, **knobs)
     want = [split_policy(b, 2, 200 - 6, dec.row_kernel, **knobs).max_splits for b in (1, 2, 3)]
     assert [dec.grid_bound(b) for b in (1, 2, 3)] == want and want[0] > want[2]
     assert dec.max_splits == want[0]
@@ -160,6 +160,35 @@ def test_decode_grid_bound_follows_the_batch_size():
     assert dec.index.max_splits == want[2]
     with pytest.raises(ValueError, match="outside"):
         dec.grid_bound(4)
+
+
+@pytest.mark.parametrize("block_n", [None, 16])
+def test_decode_plan_balances_exact_programs(block_n):
+    """``balance`` (the default): the plan's per-sequence INT2 splits and exact programs are
+    :func:`~oscar_kernels.decode_int2.balance_counts` of its lists' lengths, within the same grid and workspace as
+    without it; the steps stay Design P. With 16-token INT2 tiles the long sequences' splits grow past the policy's
+    bound into the programs their single exact program leaves."""
+    from oscar_kernels.decode_int2 import balance_counts, split_policy
+    eng = Engine(QuantScheme(group=0, sink=2, recent=4), 2, 2, 128, reqs=3, max_ctx=200, seed=23)
+    knobs = dict(split_tokens=64, min_split_tokens=16, min_programs=8)
+    tuning = {} if block_n is None else dict(block_n=block_n)
+    dec = DecodePlan(eng.pool, 3, 200, q_heads=eng.hq, exact_splits=3, **knobs, **tuning)
+    assert dec.balance and dec.int2_block_n() == (block_n or 128)
+    lens = [180, 60, 150]
+    ext = ExtendPlan(eng.pool, 3, sum(lens), 200, **EXTEND_BLOCKS)
+    eng.extend(ext, [0, 1, 2], [0, 0, 0], lens, [0, 0, 0])
+    for rows, seq in (([0], [181]), ([0, 1, 2], [182, 61, 151]), ([1, 2], [62, 152])):
+        _close(*eng.decode(dec, rows, seq, [0] * len(rows)))
+        idx = dec.index
+        kv_lens = (idx.kv_indptr[1:] - idx.kv_indptr[:-1]).cpu()
+        ex_lens = (idx.bf16_indptr[1:] - idx.bf16_indptr[:-1]).cpu()
+        pol = split_policy(len(rows), 2, 200 - 6, dec.row_kernel, idx.max_splits, **knobs)
+        want_n, want_e = balance_counts(kv_lens, ex_lens, pol, 3, dec.int2_block_n())
+        assert idx.num_exact is not None and idx.exact_splits == 3
+        assert torch.equal(idx.num_splits.cpu(), want_n) and torch.equal(idx.num_exact.cpu(), want_e)
+        assert bool((want_n + want_e <= idx.parts).all())
+        if block_n == 16 and len(rows) == 1:
+            assert int(want_n[0]) > idx.max_splits and int(want_e[0]) == 1
 
 
 def test_plan_lists_follow_design_p():
@@ -291,7 +320,7 @@ def test_workspace_bytes_and_limits():
     eng = Engine(QuantScheme(group=32, sink=2, recent=6), 2, 4, 64, reqs=3, max_ctx=20, seed=5)
     dec = DecodePlan(eng.pool, 3, 20, q_heads=8, max_splits=5)
     b, rows, hq, parts, d = 3, 3 * 8, 8, 6, 64
-    int32 = 4 * b + 3 * (b + 1) + b * 20 + 2 * rows + b  # per-sequence, indptrs, INT2 list, exact list + positions, rows
+    int32 = 5 * b + 3 * (b + 1) + b * 20 + 2 * rows + b  # per-sequence, indptrs, INT2 list, exact list + positions, rows
     int64 = 2 * b  # request and slot of each new token
     workspace = b * hq * parts * d * 4 + b * hq * parts * 4 + b * hq * d * 4  # part_o, part_lse, q_rot
     assert dec.workspace_bytes() == 4 * int32 + 8 * int64 + workspace
