@@ -35,15 +35,17 @@ import triton.language as tl
 
 from .decode_int2 import (
     DEFAULT_BLOCK_N as DECODE_GENERAL_BLOCK_N,
+)
+from .decode_int2 import (
     EXACT_BALANCE,
     EXACT_ROWS_PER_TILE,
     EXACT_SPLIT_ROWS,
     LOG2E,
-    ROWS_BLOCK_N,
     MIN_SPLIT_TOKENS,
+    ROWS_BLOCK_N,
     DecodeIndex,
-    decode_int2,
     balance_count,
+    decode_int2,
     row_path,
     split_count,
     split_policy,
