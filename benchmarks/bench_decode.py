@@ -246,18 +246,18 @@ programs (8 per SM at 233 registers on 132 SMs) exactly; with 3 exact programs p
 first slots to free (the last INT2 split of each head runs 5 tiles). The set's first run (commit f20c670) had
 "exact splits 2" alone in the middle row (level at 100k, 2 µs slower at 8k and 32k)."""
 STEP_VARIANTS_BALANCE = [
-    ("exact programs fixed (3 per head)", dict(balance=False)),
-    ("default (balanced exact programs)", {}),
-    ("exact tile 16", dict(block_nb=16)),
-    ("exact tile 16, 1568 programs", dict(block_nb=16, min_programs=1568)),
-    ("exact tile 16, 1568 programs, exact programs fixed", dict(block_nb=16, min_programs=1568, balance=False)),
-    ("1568 programs", dict(min_programs=1568)),
+    ("exact programs fixed (4 per head)", dict(balance=False)),
+    ("default (balanced: 40 exact rows per INT2 tile, >= 80)", {}),
+    ("balanced, 64 rows per tile, >= 128 (3 exact at most)", dict(exact_rows_per_tile=64, exact_min_rows=128)),
+    ("balanced, 32 rows per tile, >= 64 (5 exact at most)", dict(exact_rows_per_tile=32, exact_min_rows=64)),
+    ("balanced, 48 rows per tile, >= 80", dict(exact_rows_per_tile=48)),
 ]
-"""``--variants --set balance``: exact programs per sequence from the context (``DecodePlan(balance=True)``, now the
-default: one at bs1/100k, whose INT2 splits then take 130 of the 131 programs per head, six tiles each) against three
-for every sequence; and the same with 16-row exact tiles, whose kernel fits in 168 registers (12 one-warp programs
-per SM instead of 8), alone and with 1568 programs at bs1 (196 splits: four tiles each at 100k); 1568 programs
-at 233 registers is the control (two waves)."""
+"""``--variants --set balance``: exact programs per sequence from the context (``DecodePlan(balance=True)``, the
+default: at bs1/100k two exact programs, whose INT2 splits take 130 of the 132 programs per head, six tiles each)
+against four for every sequence, and the balance rule's exact rows per program per INT2 tile and floor. Its first
+run (commit 0c8db62, RESULTS.md) timed the rule at 64 rows per tile (one exact program at 100k, the longest) and
+16-row exact tiles (168 registers, 12 one-warp programs per SM; 1.3-1.4x slower at bs1/100k with 128 or 196
+splits)."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
                 "balance": STEP_VARIANTS_BALANCE}
 """Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out). The sets measured

@@ -142,9 +142,12 @@ MERGE_WARPS = 4
 """Merge: warps per program (not swept)."""
 MERGE_ROT_ROWS = 64
 """Merge: output columns per piece of the ``R_V^T`` product (bounds the registers of the loaded rows)."""
-EXACT_SPLIT_ROWS = 128
-"""Exact rows per exact-split program (``DecodePlan``'s default ``exact_splits = ceil((sink + recent) /
-EXACT_SPLIT_ROWS)``): the exact rows were one program's, and with the SGLang window (sink 64 + recent 256 = 320 rows,
+EXACT_SPLIT_ROWS = 80
+"""Fewest exact rows per exact-split program: ``DecodePlan``'s default ``exact_splits = ceil((sink + recent) /
+EXACT_SPLIT_ROWS)`` (4 at the SGLang window of 320 rows: 8 x (128 + 4) = 1056 programs at bs1/100k, one wave of
+8 per SM on 132 SMs), and with ``balance`` the floor of :func:`balance_counts`' rows per program (a short context's
+exact programs then run three 32-row tiles against its splits' two 128-token ones). 128 before the exact programs
+followed the context. History: the exact rows were one program's, and with the SGLang window (sink 64 + recent 256 = 320 rows,
 ten 32-row tiles) that program was the step's longest at short contexts. Measured on an H200 (``bench_decode.py
 --variants --recent 256``, commit 418023b, a decode step per layer): one / 3 / 5 / 10 exact programs at bs1/8k 40.4 /
 28.0 / 27.1 / 27.3 µs, bs1/32k 46.8 / 33.4 / 32.5 / 34.8, bs1/100k 58.6 / 59.0 / 61.1 / 59.6, bs32/32k 322.0 / 323.4 /
@@ -1027,11 +1030,13 @@ EXACT_BALANCE = True
 """:class:`~oscar_kernels.plan.DecodePlan` default: exact programs per sequence from :func:`balance_counts` (the
 context sets how many the exact rows need; an occupancy-bound sequence takes the programs they leave as INT2
 splits) instead of ``exact_splits`` for every sequence."""
-EXACT_ROWS_PER_TILE = 64
+EXACT_ROWS_PER_TILE = 40
 """Balance rule: exact rows one exact program takes per 128-token INT2 tile of the sequence's longest split, so an
-exact program (32-row bf16 tiles) ends about when the INT2 splits do. From the exact-program sweeps on an H200
-(``EXACT_SPLIT_ROWS``; commits 418023b and b61799f): at bs1/8k and 32k (two INT2 tiles per split) three programs of
-<= 128 rows were needed, two cost 2.5 µs; at bs1/100k (seven tiles) one program of 320 rows was level with three."""
+exact program (32-row bf16 tiles) ends about when the INT2 splits do: a 32-row exact tile (16 KB of bf16 K and V)
+takes ~0.7 of a 128-token INT2 tile's time. Measured on an H200 (``bench_decode.py --variants --set balance``,
+commit 0c8db62, per layer at bs1/100k): with 64 rows per tile one exact program of ten tiles beside 130 six-tile
+splits gave 43.9 µs, level with three programs beside 128 seven-tile splits (44.4), where two exact programs of five
+tiles beside 130 six-tile splits had given 41.2 (commit b61799f): the single program was the longest."""
 
 
 @triton.jit
@@ -1056,12 +1061,12 @@ def balance_counts(kv_lens: torch.Tensor, exact_lens: torch.Tensor, policy: Spli
 
     * ``e = clamp(ceil(exact_len / rows), 1, exact_splits)``, ``rows = max(min_rows, t * rows_per_tile)`` with ``t``
       the ``block_n`` tiles of the longest of the policy's ``n`` splits: a long context needs fewer exact programs
-      (one of 320 rows against seven-tile splits), a short one keeps ``ceil(rows / min_rows)``.
+      (two of 160 rows against seven-tile splits), a short one keeps ``ceil(exact_len / min_rows)``.
     * A sequence whose split count is set by occupancy (``ceil(L / split_tokens) <= min_splits``: small batches)
       then takes the programs the exact rows leave: the fewest splits that reach the tile count of ``min(parts - e,
       ceil(L / min_split_tokens))`` splits. At bs1/100k (Qwen3-8B shapes, sink 64 / recent 256): 130 INT2 splits of
-      six tiles and one exact program in 131 programs per head, against 128 splits of seven tiles (112 of them
-      busy) and three exact programs. Length-bound sequences keep the policy's count.
+      six tiles and two exact programs of 160 rows in 132 programs per head, against 128 splits of seven tiles (112
+      of them busy) and four exact programs. Length-bound sequences keep the policy's count.
 
     int32 tensors on the lengths' device (no sync); :func:`balance_count` is the plan kernel's twin."""
     length = kv_lens.long().clamp_min(1)

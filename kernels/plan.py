@@ -288,6 +288,9 @@ class DecodePlan(_Plan):
             sequences whose split count is set by occupancy, the programs left over as INT2 splits
             (:func:`~oscar_kernels.decode_int2.balance_counts`; default
             :data:`~oscar_kernels.decode_int2.EXACT_BALANCE`). The grid and workspace are the same either way.
+        exact_rows_per_tile, exact_min_rows: the balance rule's exact rows per program per INT2 tile of the longest
+            split, and its floor (defaults :data:`~oscar_kernels.decode_int2.EXACT_ROWS_PER_TILE`,
+            :data:`~oscar_kernels.decode_int2.EXACT_SPLIT_ROWS`); the floor also sets the default ``exact_splits``.
         fuse_q_rotation: :meth:`run` rotates the queries in the launch of the step's K/V write (one launch per
             layer fewer; :func:`~oscar_kernels.quantize_pack.quantize_pack_kv` with ``q``) instead of in
             :func:`~oscar_kernels.decode_int2.decode_int2`'s own query-rotation launch. Default ``True``.
@@ -301,8 +304,9 @@ class DecodePlan(_Plan):
                  q_heads: int, sm_scale: float | None = None, row_kernel: bool | None = None,
                  split_tokens: int | None = None, min_programs: int | None = None,
                  min_split_tokens: int = MIN_SPLIT_TOKENS, write_tuning: dict | None = None,
-                 exact_splits: int | None = None, balance: bool = EXACT_BALANCE, fuse_q_rotation: bool = True,
-                 pdl: bool = False, **tuning):
+                 exact_splits: int | None = None, balance: bool = EXACT_BALANCE,
+                 exact_rows_per_tile: int = EXACT_ROWS_PER_TILE, exact_min_rows: int = EXACT_SPLIT_ROWS,
+                 fuse_q_rotation: bool = True, pdl: bool = False, **tuning):
         super().__init__(pool, max_batch, max_seq_len, max_batch)
         if q_heads % pool.kv_heads:
             raise ValueError(f"q_heads {q_heads} must be a multiple of the pool's KV heads {pool.kv_heads}")
@@ -321,12 +325,16 @@ class DecodePlan(_Plan):
         self.pdl = bool(pdl)
         self.write_tuning = dict(DECODE_WRITE if write_tuning is None else write_tuning)
         self.fuse_q_rotation = fuse_q_rotation
+        if exact_rows_per_tile < 1 or exact_min_rows < 1:
+            raise ValueError(f"exact_rows_per_tile and exact_min_rows must be >= 1, got {exact_rows_per_tile} and "
+                             f"{exact_min_rows}")
         if exact_splits is None:
-            exact_splits = max(1, triton.cdiv(pool.rows_per_request, EXACT_SPLIT_ROWS))
+            exact_splits = max(1, triton.cdiv(pool.rows_per_request, exact_min_rows))
         if exact_splits < 1:
             raise ValueError(f"exact_splits must be >= 1, got {exact_splits}")
         self.exact_splits = exact_splits
         self.balance = bool(balance)
+        self.exact_rows = (exact_rows_per_tile, exact_min_rows)
         b = self._buffers
         b["qo_indptr"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))  # one token per sequence
         b["ext"].fill_(1)
@@ -376,7 +384,8 @@ class DecodePlan(_Plan):
         bound = self._int2_len(min(max_seq_len or self.max_seq_len, self.max_seq_len))
         grid = self._bounds[max(bsz, 1)]
         policy = split_policy(bsz, self.pool.kv_heads, bound, self.row_kernel, grid, **self._policy_args)
-        balance = dict(exact_splits=self.exact_splits, block_n=self.int2_block_n()) if self.balance else None
+        balance = dict(exact_splits=self.exact_splits, block_n=self.int2_block_n(), rows_per_tile=self.exact_rows[0],
+                       min_rows=self.exact_rows[1]) if self.balance else None
         self._fill(req_to_token, req_pool_indices, seq_lens, None, start, out_cache_loc, bsz, policy, balance)
         b = self._buffers
         self.batch = self.tokens = bsz

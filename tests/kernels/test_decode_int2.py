@@ -20,7 +20,14 @@ from oscar_kernels import (
     default_num_splits,
     split_policy,
 )
-from oscar_kernels.decode_int2 import balance_count, balance_counts, merge_chunk_for, split_count
+from oscar_kernels.decode_int2 import (
+    EXACT_ROWS_PER_TILE,
+    EXACT_SPLIT_ROWS,
+    balance_count,
+    balance_counts,
+    merge_chunk_for,
+    split_count,
+)
 from oscar_kernels.scheme import CUDA_MIN_HEAD_DIM
 
 # interpreter: short ragged sequences (incl. an empty INT2 part and an empty exact part); GPU: long ones
@@ -212,27 +219,27 @@ def test_decode_per_sequence_exact_counts(path):
 
 
 def test_balance_counts_at_the_benchmark_shapes():
-    """The rule at Qwen3-8B shapes (8 KV heads, sink 64 / recent 256: 320 exact rows, 3 exact programs at most,
-    128-token tiles): one long sequence takes 130 six-tile splits and one exact program (131 programs per head, as
-    the grid it had); 8k and 32k keep three exact programs and their splits; bs50/100k (length-bound) keeps its 49
+    """The rule at Qwen3-8B shapes (8 KV heads, sink 64 / recent 256: 320 exact rows, 4 exact programs at most,
+    128-token tiles): one long sequence takes 130 six-tile splits and two exact programs (132 programs per head, as
+    the grid it had); 8k and 32k keep four exact programs and their splits; bs50/100k (length-bound) keeps its 49
     splits with one exact program; bs32/32k likewise."""
     def counts(bs, ctx):
         lens = torch.full((bs,), ctx - 320)
         pol = split_policy(bs, 8, ctx - 320, True)
-        n, e = balance_counts(lens, torch.full((bs,), 320), pol, 3, 128)
+        n, e = balance_counts(lens, torch.full((bs,), 320), pol, 4, 128)
         return pol.max_splits, int(n[0]), int(e[0])
 
-    assert counts(1, 100_000) == (128, 130, 1)
-    assert counts(1, 32_768) == (127, 127, 3)
-    assert counts(1, 8192) == (31, 31, 3)
+    assert counts(1, 100_000) == (128, 130, 2)
+    assert counts(1, 32_768) == (127, 127, 4)
+    assert counts(1, 8192) == (31, 31, 4)
     assert counts(50, 100_000) == (49, 49, 1)
     assert counts(32, 32_768) == (16, 16, 1)
-    # 4 + 3 programs: 1000 tokens keep 4 two-tile splits (the fewest for two tiles, also with 6 programs free);
-    # a short exact list -> one program; 5000 tokens (ten-tile splits, 640 exact rows a program) -> two exact
-    # programs, the five left take eight-tile splits; never above parts - e, never below 1
+    # 4 + 3 programs: 1000 tokens keep 4 two-tile splits (the fewest for two tiles, also with 6 programs free) and
+    # 3 exact programs (clamped from 4); a short exact list -> one program; 9000 tokens (18-tile splits, 720 exact
+    # rows a program) -> one exact program, the six left take 12-tile splits; never above parts - e, never below 1
     pol = split_policy(1, 8, 1000, True, max_splits=4, min_programs=1024, min_split_tokens=16)
-    n, e = balance_counts(torch.tensor([1000, 1000, 0, 5000]), torch.tensor([300, 10, 0, 1000]), pol, 3, 128)
-    assert n.tolist() == [4, 4, 1, 5] and e.tolist() == [3, 1, 1, 2]
+    n, e = balance_counts(torch.tensor([1000, 1000, 0, 9000]), torch.tensor([300, 10, 0, 700]), pol, 3, 128)
+    assert n.tolist() == [4, 4, 1, 6] and e.tolist() == [3, 1, 1, 1]
     assert n.dtype == e.dtype == torch.int32
 
 
@@ -241,7 +248,7 @@ def _balance_count_kernel(L, E, N, OUT_N, OUT_E, parts, exact_splits, split_toke
                           BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     n, e = balance_count(tl.load(L + offs), tl.load(E + offs), tl.load(N + offs), parts, exact_splits, split_tokens,
-                         min_splits, min_split_tokens, BLOCK_N, 64, 128)
+                         min_splits, min_split_tokens, BLOCK_N, EXACT_ROWS_PER_TILE, EXACT_SPLIT_ROWS)
     tl.store(OUT_N + offs, n)
     tl.store(OUT_E + offs, e)
 
