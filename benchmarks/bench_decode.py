@@ -1,7 +1,7 @@
 """Decode on Qwen3-8B shapes: INT2 (``DecodePlan``) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
 
 Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge | --variants
-[--set l2|write-peel|one-wave|balance] [--recent N]] [--results benchmarks/RESULTS.md]
+[--set l2|write-peel|one-wave|balance|pair] [--recent N]] [--results benchmarks/RESULTS.md]
 Prints a table (median µs, GB/s on the bytes the attention reads, ratio to the best BF16 backend measured in the same
 run, fraction of the copy bandwidth measured in the same run) and appends it to RESULTS.md with the date, device,
 commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is planned by ``DecodePlan`` over an
@@ -258,8 +258,18 @@ against four for every sequence, and the balance rule's exact rows per program p
 run (commit 0c8db62, RESULTS.md) timed the rule at 64 rows per tile (one exact program at 100k, the longest) and
 16-row exact tiles (168 registers, 12 one-warp programs per SM; 1.3-1.4x slower at bs1/100k with 128 or 196
 splits)."""
+STEP_VARIANTS_PAIR = [
+    ("default", {}),
+    ("merge chunk 128 (two steps at 131-132 partials)", dict(merge_chunk=128)),
+    ("pair (two half tiles side by side)", dict(pair=True)),
+    ("pair, merge chunk 128", dict(pair=True, merge_chunk=128)),
+]
+"""``--variants --set pair``: the split loop taking each 128-token tile as two 64-token halves in the head tile's
+padded columns (``pair``: 1,565 instructions per tile and warp against 1,683 in the sm_90 SASS, 235 registers), and
+the merge reading up to 256 partials in one step with 8 warps (the default since one-sequence batches have 131-132
+partials) against 128 per step."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
-                "balance": STEP_VARIANTS_BALANCE}
+                "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR}
 """Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out). The sets measured
 before ``balance`` became the default (all but ``balance``) ran with three exact programs for every sequence; run
 them with ``balance=False`` added to compare."""

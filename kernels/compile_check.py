@@ -156,8 +156,9 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
             dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
             dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
         dec.write_tuning = {}  # the write with quantize_pack_kv's own (prefill) parameters
-        dec.tuning = dict(merge_chunk=1)  # the merge's one-partial-per-step loop (the default reads 32)
-        dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        for chunk in (1, 256):  # the merge's one-partial-per-step loop, and 256 per step with 8 warps
+            dec.tuning = dict(merge_chunk=chunk)
+            dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
         # the query rotation in its own launch (decode_int2's default, DecodePlan.attend), and exact rows shared by
         # three programs for every sequence (no per-sequence counts: balance off)
         dec = DecodePlan(pool, 2, 128, q_heads=hq, fuse_q_rotation=False, exact_splits=3, balance=False)
@@ -176,6 +177,10 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
             dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
         # 16-row exact tiles (the split kernel's registers with the smaller exact branch)
         dec = DecodePlan(pool, 2, 128, q_heads=hq, block_nb=16)
+        dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
+        dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        # two half tiles side by side in the head tile's padded columns
+        dec = DecodePlan(pool, 2, 128, q_heads=hq, pair=True)
         dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
         # whole tiles without token masks (the split loop's peeled tail)

@@ -124,9 +124,11 @@ per (sequence, KV head) over the GQA group padded to 16 rows with a tf32 ``R_V^T
 (sequence, query head) here, 32 partials per step and an fp32 multiply-sum product, measured within 2% of it at every
 shape (``bench_decode.py --merge``, commit e6f07dc: bs1/100k 55.3 vs 55.8 µs, bs32/32k 306.2 vs 301.2; 8 or 16
 partials per step slower) and replaced it for its exact product."""
-MERGE_MAX_CHUNK = 128
-"""Merge: most partials read per loop step by default. All of a one-sequence batch's partials in one step (128
-splits at 32k and 100k) instead of four: measured on an H200 (``bench_decode.py --variants --set write-peel``,
+MERGE_MAX_CHUNK = 256
+"""Merge: most partials read per loop step by default (with ``merge_warps`` warps per program: 8 at 256, the tile's
+128 KB of fp32 over 256 threads). 256 since the exact programs follow the context: a one-sequence batch has 131-132
+partials at 32k and 100k, which a 128-row step reads in two dependent trips. History (128): all of a one-sequence
+batch's partials in one step (128 splits at 32k and 100k) instead of four: measured on an H200 (``bench_decode.py --variants --set write-peel``,
 commit 1c022d0, a decode step per layer, sink 64 / recent 256) bs1/32k 33.2 -> 30.7 µs, bs1/100k 56.2 -> 53.3;
 bs1/8k (34 partials) 27.7 -> 27.5; at bs32/32k (19 partials, where 32 already reads them all) 128 was 2% slower
 (312.2 vs 307.0: a 128-row tile for 19 rows), hence no more than the partials need."""
@@ -134,12 +136,18 @@ bs1/8k (34 partials) 27.7 -> 27.5; at bs32/32k (19 partials, where 32 already re
 
 def merge_chunk_for(parts: int) -> int:
     """Default merge step: the partials' count rounded up to a power of two, within ``[MERGE_SPLIT_CHUNK,
-    MERGE_MAX_CHUNK]`` (one step up to 128 partials)."""
+    MERGE_MAX_CHUNK]`` (one step up to 256 partials)."""
     return min(MERGE_MAX_CHUNK, max(MERGE_SPLIT_CHUNK, triton.next_power_of_2(max(parts, 1))))
 
 
 MERGE_WARPS = 4
-"""Merge: warps per program (not swept)."""
+"""Merge: warps per program up to 128 partials per step (not swept); see :func:`merge_warps`."""
+
+
+def merge_warps(chunk: int) -> int:
+    """Warps of a merge program reading ``chunk`` partials per step: ``MERGE_WARPS``, and one per 32 partials beyond
+    (8 at 256: 128 fp32 of the ``[chunk, d]`` tile per thread at d = 128, as 4 warps hold at 128)."""
+    return max(MERGE_WARPS, chunk // 32)
 MERGE_ROT_ROWS = 64
 """Merge: output columns per piece of the ``R_V^T`` product (bounds the registers of the loaded rows)."""
 EXACT_SPLIT_ROWS = 80
@@ -186,6 +194,11 @@ masks (``decode_int2(peel=...)``): no per-token bound checks, score selects or m
 body compile to 254 registers against 233 (80 bytes of spills under the large-batch cap), and on an H200
 (``bench_decode.py --variants --set write-peel``, commit 1c022d0) it was level at bs1 and 2-4% slower at bs32/32k
 and bs50/100k."""
+ROWS_PAIR = False
+"""Row-scale path: take each 128-token tile as two 64-token halves in the two halves of the ``2 * BLOCK_H``-wide
+head tile (``decode_int2(pair=...)``, :func:`_pair_split`): a 4-head GQA group fills half of the tensor cores' N = 8,
+so the plain loop's score, softmax and scale work runs on duplicated columns; paired, every element is useful at the
+same tensor-core work."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
@@ -497,6 +510,212 @@ def _rows_tile(start, hi, kv_start, slot_next, offs_t, offs_w, kvh, KV_INDICES,
 
 
 @triton.jit
+def _pair_tile(start, hi, kv_start, sa_next, sb_next, offs_t, offs_w, kvh, isb, KV_INDICES,
+               K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
+               stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+               stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+               qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
+               s_init, qtot, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7,
+               BLOCK_N: tl.constexpr, OFF: tl.constexpr, MAGIC: tl.constexpr, DOT_T: tl.constexpr,
+               OFF64: tl.constexpr):
+    """One tile of the paired split loop: its first ``BLOCK_N / 2`` tokens (half A) feed the columns ``< BLOCK_H`` of
+    a ``[BLOCK_N / 2, 2 BLOCK_H]`` score tile, the second half (B) the others, each column its own online softmax
+    (see :func:`_pair_split`). Returns the next tile's slots of both halves and the updated state."""
+    HB: tl.constexpr = BLOCK_N // 2
+    offs_a = start + offs_t
+    offs_b = offs_a + HB
+    sa, sb = sa_next, sb_next
+    sa_next = tl.load(KV_INDICES + kv_start + BLOCK_N + offs_a, mask=BLOCK_N + offs_a < hi, other=0)
+    sb_next = tl.load(KV_INDICES + kv_start + BLOCK_N + offs_b, mask=BLOCK_N + offs_b < hi, other=0)
+    if OFF64:
+        sa = sa.to(tl.int64)
+        sb = sb.to(tl.int64)
+    mask_a = offs_a < hi
+    mask_b = offs_b < hi
+    kwa, ksa, kza = _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, sa, kvh, offs_w, stride_kws, stride_kwh,
+                                  stride_kss, stride_ksh, stride_kzs, stride_kzh)
+    kwb, ksb, kzb = _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, sb, kvh, offs_w, stride_kws, stride_kwh,
+                                  stride_kss, stride_ksh, stride_kzs, stride_kzh)
+    if MAGIC:
+        k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(kwa)
+        j0, j1, j2, j3, j4, j5, j6, j7 = _word_planes_magic(kwb)
+    else:
+        k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_plain(kwa, DOT_T)
+        j0, j1, j2, j3, j4, j5, j6, j7 = _word_planes_plain(kwb, DOT_T)
+    qc = tl.dot(k0, qa0, s_init)
+    qc = tl.dot(j0, qb0, qc)
+    qc = tl.dot(k1, qa1, qc)
+    qc = tl.dot(j1, qb1, qc)
+    qc = tl.dot(k2, qa2, qc)
+    qc = tl.dot(j2, qb2, qc)
+    qc = tl.dot(k3, qa3, qc)
+    qc = tl.dot(j3, qb3, qc)
+    qc = tl.dot(k4, qa4, qc)
+    qc = tl.dot(j4, qb4, qc)
+    qc = tl.dot(k5, qa5, qc)
+    qc = tl.dot(j5, qb5, qc)
+    qc = tl.dot(k6, qa6, qc)
+    qc = tl.dot(j6, qb6, qc)
+    qc = tl.dot(k7, qa7, qc)
+    qc = tl.dot(j7, qb7, qc)  # [N/2, 2H]: column c < H token a, head c; column H + h token b, head h
+    ks = tl.where(isb, ksb.to(tl.float32)[:, None], ksa.to(tl.float32)[:, None])
+    kz = tl.where(isb, kzb.to(tl.float32)[:, None], kza.to(tl.float32)[:, None])
+    s = qc * ks + kz * qtot[None, :]
+    s = tl.where(tl.where(isb, mask_b[:, None], mask_a[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a half with no token yet: alpha = p = 0, not NaN
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[None, :])
+    l_i = l_i * alpha + tl.sum(p, 0)
+    vwa, vsa, vza = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, sa, mask_a, kvh, offs_w, stride_vws, stride_vwh,
+                                  stride_vss, stride_vsh, stride_vzs, stride_vzh)
+    vwb, vsb, vzb = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, sb, mask_b, kvh, offs_w, stride_vws, stride_vwh,
+                                  stride_vss, stride_vsh, stride_vzs, stride_vzh)
+    vs = tl.where(isb, vsb.to(tl.float32)[:, None], vsa.to(tl.float32)[:, None])
+    vz = tl.where(isb, vzb.to(tl.float32)[:, None], vza.to(tl.float32)[:, None])
+    ps = (p * vs).to(DOT_T)
+    zero = tl.zeros_like(ps)
+    psa = tl.where(isb, zero, ps)
+    psb = tl.where(isb, ps, zero)
+    pz = pz * alpha + tl.sum(p * vz, 0)
+    if MAGIC:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(vwa)
+        u0, u1, u2, u3, u4, u5, u6, u7 = _word_planes_magic(vwb)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_plain(vwa, DOT_T)
+        u0, u1, u2, u3, u4, u5, u6, u7 = _word_planes_plain(vwb, DOT_T)
+    off_t = (OFF * tl.sum(ps.to(tl.float32), 0))[None, :]  # the 1024 offsets, per tile (see _rows_values)
+    al = alpha[None, :]
+    a0 = a0 * al + (tl.dot(tl.trans(u0), psb, tl.dot(tl.trans(v0), psa)) - off_t)
+    a1 = a1 * al + (tl.dot(tl.trans(u1), psb, tl.dot(tl.trans(v1), psa)) - off_t)
+    a2 = a2 * al + (tl.dot(tl.trans(u2), psb, tl.dot(tl.trans(v2), psa)) - off_t)
+    a3 = a3 * al + (tl.dot(tl.trans(u3), psb, tl.dot(tl.trans(v3), psa)) - off_t)
+    a4 = a4 * al + (tl.dot(tl.trans(u4), psb, tl.dot(tl.trans(v4), psa)) - off_t)
+    a5 = a5 * al + (tl.dot(tl.trans(u5), psb, tl.dot(tl.trans(v5), psa)) - off_t)
+    a6 = a6 * al + (tl.dot(tl.trans(u6), psb, tl.dot(tl.trans(v6), psa)) - off_t)
+    a7 = a7 * al + (tl.dot(tl.trans(u7), psb, tl.dot(tl.trans(v7), psa)) - off_t)
+    return sa_next, sb_next, m_new, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _pair_halves(a, w2, W: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``[W, 2H]`` -> ``[W, H]``: columns ``h`` and ``H + h`` weighted by ``w2[0, h]`` and ``w2[1, h]`` and summed."""
+    return tl.sum(tl.reshape(a, (W, 2, BLOCK_H)) * w2[None, :, :], 1)
+
+
+@triton.jit
+def _pair_split(QN, K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, KV_INDPTR, KV_INDICES, PART_O, PART_LSE,
+                b, kvh, split, num_splits,
+                stride_qnb, stride_qnh,
+                stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+                stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+                stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                MAGIC: tl.constexpr, DOT_T: tl.constexpr, OFF64: tl.constexpr):
+    """One INT2 split of the row-scale kernel with the padded half of the head tile put to use (``pair``): a GQA
+    group of ``H`` heads fills only ``H`` of the ``2H``-wide tensor-core tile, so each 128-token tile is taken as two
+    64-token halves side by side: ``s[t, c]`` is token ``t`` (half A) for ``c < H`` and token ``64 + t`` (half B)
+    for ``c >= H``, from two dots per bit plane with the query plane zero in the other half's columns. Every score,
+    exponential and scale is then a useful one (the unpaired tile computes ``[128, 2H]`` for ``H`` heads), at the
+    same tensor-core work. Each column runs its own online softmax; the two halves of a head meet once, at the end.
+    Same partial output and LSE as the plain split."""
+    W: tl.constexpr = HEAD_DIM // 8
+    D4: tl.constexpr = HEAD_DIM // 4
+    C: tl.constexpr = 2 * BLOCK_H
+    HB: tl.constexpr = BLOCK_N // 2
+    offs_c = tl.arange(0, C)
+    hc = offs_c % BLOCK_H
+    isb = (offs_c >= BLOCK_H)[None, :]
+    mq = (hc < GQA)[None, :]
+    q_rows = QN + b * stride_qnb + (kvh * GQA + hc)[None, :] * stride_qnh  # [1, 2H]
+    offs_w = tl.arange(0, W)
+    qw = q_rows + 2 * offs_w[:, None]
+    if MAGIC:  # as the plain split: codes arrive as 1024 + 4**j c
+        OFF: tl.constexpr = F16_MAGIC
+        R1: tl.constexpr = 0.25
+        R2: tl.constexpr = 0.0625
+        R3: tl.constexpr = 0.015625
+    else:
+        OFF: tl.constexpr = 0.0
+        R1: tl.constexpr = 1.0
+        R2: tl.constexpr = 1.0
+        R3: tl.constexpr = 1.0
+    q0 = tl.load(qw + 0 * D4, mask=mq, other=0.0).to(DOT_T)
+    q1 = (tl.load(qw + 1 * D4, mask=mq, other=0.0) * R1).to(DOT_T)
+    q2 = (tl.load(qw + 2 * D4, mask=mq, other=0.0) * R2).to(DOT_T)
+    q3 = (tl.load(qw + 3 * D4, mask=mq, other=0.0) * R3).to(DOT_T)
+    q4 = tl.load(qw + 1 + 0 * D4, mask=mq, other=0.0).to(DOT_T)
+    q5 = (tl.load(qw + 1 + 1 * D4, mask=mq, other=0.0) * R1).to(DOT_T)
+    q6 = (tl.load(qw + 1 + 2 * D4, mask=mq, other=0.0) * R2).to(DOT_T)
+    q7 = (tl.load(qw + 1 + 3 * D4, mask=mq, other=0.0) * R3).to(DOT_T)
+    qtot = tl.sum(tl.load(q_rows + tl.arange(0, HEAD_DIM)[:, None], mask=mq, other=0.0), 0)  # sum(q') per column
+    qoff = (tl.sum(q0.to(tl.float32), 0) + tl.sum(q1.to(tl.float32), 0) + tl.sum(q2.to(tl.float32), 0)
+            + tl.sum(q3.to(tl.float32), 0) + tl.sum(q4.to(tl.float32), 0) + tl.sum(q5.to(tl.float32), 0)
+            + tl.sum(q6.to(tl.float32), 0) + tl.sum(q7.to(tl.float32), 0)) * OFF
+    s_init = tl.zeros([HB, C], tl.float32) - qoff[None, :]
+    zq = tl.zeros_like(q0)
+    qa0, qb0 = tl.where(isb, zq, q0), tl.where(isb, q0, zq)
+    qa1, qb1 = tl.where(isb, zq, q1), tl.where(isb, q1, zq)
+    qa2, qb2 = tl.where(isb, zq, q2), tl.where(isb, q2, zq)
+    qa3, qb3 = tl.where(isb, zq, q3), tl.where(isb, q3, zq)
+    qa4, qb4 = tl.where(isb, zq, q4), tl.where(isb, q4, zq)
+    qa5, qb5 = tl.where(isb, zq, q5), tl.where(isb, q5, zq)
+    qa6, qb6 = tl.where(isb, zq, q6), tl.where(isb, q6, zq)
+    qa7, qb7 = tl.where(isb, zq, q7), tl.where(isb, q7, zq)
+
+    m_i = tl.full([C], float("-inf"), tl.float32)
+    l_i = tl.zeros([C], tl.float32)
+    pz = tl.zeros([C], tl.float32)
+    a0 = tl.zeros([W, C], tl.float32)
+    a1 = tl.zeros([W, C], tl.float32)
+    a2 = tl.zeros([W, C], tl.float32)
+    a3 = tl.zeros([W, C], tl.float32)
+    a4 = tl.zeros([W, C], tl.float32)
+    a5 = tl.zeros([W, C], tl.float32)
+    a6 = tl.zeros([W, C], tl.float32)
+    a7 = tl.zeros([W, C], tl.float32)
+
+    kv_start = tl.load(KV_INDPTR + b)
+    kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+    offs_t = tl.arange(0, HB)
+    sa_next = tl.load(KV_INDICES + kv_start + lo + offs_t, mask=lo + offs_t < hi, other=0)
+    sb_next = tl.load(KV_INDICES + kv_start + lo + HB + offs_t, mask=lo + HB + offs_t < hi, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        sa_next, sb_next, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7 = _pair_tile(
+            start, hi, kv_start, sa_next, sb_next, offs_t, offs_w, kvh, isb, KV_INDICES,
+            K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
+            stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+            stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+            qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
+            s_init, qtot, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7,
+            BLOCK_N, OFF, MAGIC, DOT_T, OFF64)
+    # the two halves of each head: one softmax state
+    m2 = tl.reshape(m_i, (2, BLOCK_H))
+    m_h = tl.max(m2, 0)
+    w2 = tl.exp2(m2 - tl.where(m_h == float("-inf"), 0.0, m_h)[None, :])
+    inv_l, lse = _finish_split(m_h, tl.sum(tl.reshape(l_i, (2, BLOCK_H)) * w2, 0))
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQA
+    heads = kvh * GQA + offs_h
+    il = inv_l[None, :]
+    zt = (tl.sum(tl.reshape(pz, (2, BLOCK_H)) * w2, 0) * inv_l)[None, :]
+    o_rows = PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + 2 * offs_w[:, None]
+    mh = mask_h[None, :]
+    tl.store(o_rows + 0 * D4, _pair_halves(a0, w2, W, BLOCK_H) * il + zt, mask=mh)
+    tl.store(o_rows + 1 * D4, _pair_halves(a1, w2, W, BLOCK_H) * (il * R1) + zt, mask=mh)
+    tl.store(o_rows + 2 * D4, _pair_halves(a2, w2, W, BLOCK_H) * (il * R2) + zt, mask=mh)
+    tl.store(o_rows + 3 * D4, _pair_halves(a3, w2, W, BLOCK_H) * (il * R3) + zt, mask=mh)
+    tl.store(o_rows + 1 + 0 * D4, _pair_halves(a4, w2, W, BLOCK_H) * il + zt, mask=mh)
+    tl.store(o_rows + 1 + 1 * D4, _pair_halves(a5, w2, W, BLOCK_H) * (il * R1) + zt, mask=mh)
+    tl.store(o_rows + 1 + 2 * D4, _pair_halves(a6, w2, W, BLOCK_H) * (il * R2) + zt, mask=mh)
+    tl.store(o_rows + 1 + 3 * D4, _pair_halves(a7, w2, W, BLOCK_H) * (il * R3) + zt, mask=mh)
+    tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+
+
+@triton.jit
 def _decode_rows_kernel(
     QN,
     K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
@@ -515,6 +734,7 @@ def _decode_rows_kernel(
     MAGIC: tl.constexpr, DOT_T: tl.constexpr, BF_PV_T: tl.constexpr, OFF64: tl.constexpr,
     PREFETCH: tl.constexpr, EARLY_V: tl.constexpr, PIPELINE: tl.constexpr, PDL: tl.constexpr,
     EXACT_QUARTERS: tl.constexpr, L2_AHEAD: tl.constexpr, PEEL: tl.constexpr, PER_SEQ_EXACT: tl.constexpr,
+    PAIR: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -530,7 +750,14 @@ def _decode_rows_kernel(
     if PDL:  # launched early: wait for the step's write (q', the new rows), then let the merge launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if split < num_splits:
+    if PAIR and split < num_splits:
+        _pair_split(QN, K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, KV_INDPTR, KV_INDICES, PART_O, PART_LSE,
+                    b, kvh, split, num_splits, stride_qnb, stride_qnh,
+                    stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+                    stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+                    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                    GQA, BLOCK_H, HEAD_DIM, BLOCK_N, MAGIC, DOT_T, OFF64)
+    elif split < num_splits:
         # ---------------- INT2 split: tokens x heads tiles ----------------
         offs_w = tl.arange(0, W)
         qw = q_rows + 2 * offs_w[:, None]  # [W, H]: element 2w (low byte) / 2w + 1 (high byte) of plane 0
@@ -1230,6 +1457,7 @@ def decode_int2(
     rotate_q: bool = True,
     block_nb: int | None = None,
     peel: bool = ROWS_PEEL,
+    pair: bool = ROWS_PAIR,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -1257,6 +1485,8 @@ def decode_int2(
         block_nb: exact rows per tile of the exact split (``BF16_BLOCK_N``).
         peel: row-scale path, plain split loop: whole tiles without token masks, the partial last tile apart
             (``ROWS_PEEL``).
+        pair: row-scale path: each 128-token tile as two 64-token halves side by side in the head tile's padded
+            columns (``ROWS_PAIR``; with ``prefetch``, without ``pipeline``, ``peel``, ``early_v`` or ``l2_ahead``).
         pipeline: row-scale path: software-pipeline the split loop (``ROWS_PIPELINE``).
         exact_quarters: row-scale path: the exact split reads and multiplies its rows a quarter of the head dim at a
             time (202 registers instead of 233 for the kernel at d = 128 with 32-row exact tiles, sink 64 / recent
@@ -1316,6 +1546,9 @@ def decode_int2(
     if l2_ahead == 1 and not prefetch:
         raise ValueError("l2_ahead=1 prefetches the next tile's slots, which prefetch=False does not load: "
                          "pass prefetch=True or l2_ahead=2")
+    if pair and row_kernel and (pipeline or peel or early_v or l2_ahead or not prefetch):
+        raise ValueError("pair runs its own split loop (next slots prefetched): pass it without pipeline, peel, "
+                         "early_v and l2_ahead, and with prefetch")
     l2_ahead = 0 if fp32_dot or pipeline else l2_ahead  # PTX only; the pipelined loop holds its next tile already
     k, v = cache.k, cache.v
     per_seq_exact = index.num_exact is not None
@@ -1349,7 +1582,7 @@ def decode_int2(
             MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
             BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
             PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline), PDL=pdl, EXACT_QUARTERS=bool(exact_quarters),
-            L2_AHEAD=l2_ahead, PEEL=bool(peel) and not pipeline, PER_SEQ_EXACT=per_seq_exact,
+            L2_AHEAD=l2_ahead, PEEL=bool(peel) and not pipeline, PER_SEQ_EXACT=per_seq_exact, PAIR=bool(pair),
             num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES, launch_pdl=pdl,
             **({"maxnreg": max_registers} if max_registers else {}),
         )
@@ -1387,7 +1620,7 @@ def decode_int2(
         *out.stride(),
         GQA=gqa, HEAD_DIM=d, BLOCK_P=triton.next_power_of_2(parts), ROT_PER_HEAD=cache.rot_v.shape[0] > 1,
         SPLIT_CHUNK=merge_chunk, ROT_ROWS=min(cols, MERGE_ROT_ROWS), COLS=cols, PER_SEQ_EXACT=per_seq_exact,
-        PDL=pdl, num_warps=MERGE_WARPS, launch_pdl=pdl,
+        PDL=pdl, num_warps=merge_warps(merge_chunk), launch_pdl=pdl,
     )
     return out
 

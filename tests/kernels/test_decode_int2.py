@@ -26,6 +26,7 @@ from oscar_kernels.decode_int2 import (
     balance_count,
     balance_counts,
     merge_chunk_for,
+    merge_warps,
     split_count,
 )
 from oscar_kernels.scheme import CUDA_MIN_HEAD_DIM
@@ -107,7 +108,7 @@ def test_decode_split_counts_do_not_change_the_answer(splits):
     torch.testing.assert_close(out, ref, **TOL)
 
 
-@pytest.mark.parametrize("merge_chunk", [1, 4, 32, 128])
+@pytest.mark.parametrize("merge_chunk", [1, 4, 32, 128, 256])
 def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
     """The merge reading several INT2 partials per step (counts 3, 1, 6 and 2 of a grid of 7: chunks that end past a
     sequence's count, partials of inactive splits poisoned) gives the reference answer on both paths."""
@@ -132,13 +133,16 @@ def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
                                    dict(exact_quarters=True, block_nb=16),
                                    dict(exact_quarters=True, block_n=64, early_v=True), dict(l2_ahead=1),
                                    dict(l2_ahead=2, exact_quarters=True), dict(peel=True),
-                                   dict(peel=True, block_n=64, l2_ahead=1), dict(peel=True, prefetch=False)])
+                                   dict(peel=True, block_n=64, l2_ahead=1), dict(peel=True, prefetch=False),
+                                   dict(pair=True), dict(pair=True, block_n=32, merge_cols=32),
+                                   dict(pair=True, merge_chunk=256)])
 def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
     """The row-scale kernel's slot prefetch, early value loads, software pipeline (one and several tiles per
     split), exact rows by head-dim quarters, L2 prefetch and unmasked whole tiles (``peel``: splits with and without
     a partial last tile, one with none whole), the merge split over output columns and the exact split's tile give
     the reference answer (ragged lengths, per-sequence split counts, NaN-poisoned workspace and out); the general
-    path takes the merge and exact-tile knobs too (g = 32)."""
+    path takes the merge and exact-tile knobs too (g = 32). ``pair`` (two half tiles side by side: a split whose
+    second half is empty, one with both halves full, ragged tails) likewise."""
     gen = torch.Generator().manual_seed(211 + len(knobs) + knobs.get("merge_cols", 0))
     for g in (128, 32):
         if g == 32 and not set(knobs) <= {"merge_cols", "block_nb"}:
@@ -159,6 +163,25 @@ def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
         decode_int2(q, lists.cache, index, l2_ahead=3)
     with pytest.raises(ValueError, match="pass prefetch=True or l2_ahead=2"):
         decode_int2(q, lists.cache, index, l2_ahead=1, prefetch=False)
+    with pytest.raises(ValueError, match="pair runs its own split loop"):
+        decode_int2(q, lists.cache, index, pair=True, peel=True)
+
+
+@pytest.mark.parametrize("gqa", [1, 3, 8])
+def test_decode_pair_over_gqa_ratios(gqa):
+    """``pair`` at GQA ratios whose head tile is 2, 4 (3 heads: one padded column per half) and 8 wide (16 columns
+    paired), against the reference."""
+    gen = torch.Generator().manual_seed(401 + gqa)
+    lists = make_cache(INT2_LENS, BF16_LENS, 2, 128, 128, gen)
+    q = (torch.randn(len(INT2_LENS), 2 * gqa, 128, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    index = lists.index(SPLITS, MAX_SPLITS)
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    decode_int2(q, lists.cache, index, workspace=_poisoned_workspace(q.shape[0], q.shape[1], 128, MAX_SPLITS),
+                out=out, pair=True)
+    ref = decode_int2_ref(q, lists.cache, index)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **TOL)
+    assert rel_err(out, ref) <= MAX_REL
 
 
 @pytest.mark.parametrize("exact_splits", [2, 3, 8])
@@ -449,6 +472,7 @@ def test_decode_index_gives_uniform_batches_the_old_counts():
         assert index.num_splits.tolist() == [want] * 3
 
 
-def test_merge_chunk_reads_every_partial_in_one_step_up_to_128():
-    assert [merge_chunk_for(p) for p in (0, 1, 19, 32, 33, 34, 64, 65, 131, 500)] == \
-        [32, 32, 32, 32, 64, 64, 64, 128, 128, 128]
+def test_merge_chunk_reads_every_partial_in_one_step_up_to_256():
+    assert [merge_chunk_for(p) for p in (0, 1, 19, 32, 33, 34, 64, 65, 128, 131, 132, 500)] == \
+        [32, 32, 32, 32, 64, 64, 64, 128, 128, 256, 256, 256]
+    assert [merge_warps(c) for c in (32, 64, 128, 256)] == [4, 4, 4, 8]
