@@ -259,15 +259,16 @@ run (commit 0c8db62, RESULTS.md) timed the rule at 64 rows per tile (one exact p
 16-row exact tiles (168 registers, 12 one-warp programs per SM; 1.3-1.4x slower at bs1/100k with 128 or 196
 splits)."""
 STEP_VARIANTS_PAIR = [
-    ("default", {}),
-    ("merge chunk 128 (two steps at 131-132 partials)", dict(merge_chunk=128)),
+    ("merge chunk 256 (one step at 131-132 partials, 8 warps)", dict(merge_chunk=256)),
+    ("default (merge chunk 128)", {}),
     ("pair (two half tiles side by side)", dict(pair=True)),
     ("pair, merge chunk 128", dict(pair=True, merge_chunk=128)),
 ]
 """``--variants --set pair``: the split loop taking each 128-token tile as two 64-token halves in the head tile's
 padded columns (``pair``: 1,565 instructions per tile and warp against 1,683 in the sm_90 SASS, 235 registers), and
-the merge reading up to 256 partials in one step with 8 warps (the default since one-sequence batches have 131-132
-partials) against 128 per step."""
+the merge reading up to 256 partials in one step with 8 warps (one-sequence batches have 131-132 partials) against
+128 per step. Its run (commit 4505b5b, RESULTS.md) had 256 as the default row and "merge chunk 128" below it: both
+off since (slower, and level)."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
                 "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR}
 """Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out). The sets measured

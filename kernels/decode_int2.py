@@ -124,11 +124,12 @@ per (sequence, KV head) over the GQA group padded to 16 rows with a tf32 ``R_V^T
 (sequence, query head) here, 32 partials per step and an fp32 multiply-sum product, measured within 2% of it at every
 shape (``bench_decode.py --merge``, commit e6f07dc: bs1/100k 55.3 vs 55.8 µs, bs32/32k 306.2 vs 301.2; 8 or 16
 partials per step slower) and replaced it for its exact product."""
-MERGE_MAX_CHUNK = 256
-"""Merge: most partials read per loop step by default (with ``merge_warps`` warps per program: 8 at 256, the tile's
-128 KB of fp32 over 256 threads). 256 since the exact programs follow the context: a one-sequence batch has 131-132
-partials at 32k and 100k, which a 128-row step reads in two dependent trips. History (128): all of a one-sequence
-batch's partials in one step (128 splits at 32k and 100k) instead of four: measured on an H200 (``bench_decode.py --variants --set write-peel``,
+MERGE_MAX_CHUNK = 128
+"""Merge: most partials read per loop step by default. 256 (with ``merge_warps`` = 8 warps per program, the tile's
+128 KB of fp32 over 256 threads), so that a one-sequence batch's 131-132 partials at 32k and 100k are one step
+instead of two, measured level on an H200 (``bench_decode.py --variants --set pair``, commit 4505b5b: bs1/8k / 32k /
+100k 18.6 / 22.4 / 41.3 µs against 18.2 / 22.2 / 41.1 at 128): kept at 128. History: all of a one-sequence batch's
+partials in one step (128 splits at 32k and 100k) instead of four: measured on an H200 (``bench_decode.py --variants --set write-peel``,
 commit 1c022d0, a decode step per layer, sink 64 / recent 256) bs1/32k 33.2 -> 30.7 µs, bs1/100k 56.2 -> 53.3;
 bs1/8k (34 partials) 27.7 -> 27.5; at bs32/32k (19 partials, where 32 already reads them all) 128 was 2% slower
 (312.2 vs 307.0: a 128-row tile for 19 rows), hence no more than the partials need."""
@@ -136,7 +137,7 @@ bs1/8k (34 partials) 27.7 -> 27.5; at bs32/32k (19 partials, where 32 already re
 
 def merge_chunk_for(parts: int) -> int:
     """Default merge step: the partials' count rounded up to a power of two, within ``[MERGE_SPLIT_CHUNK,
-    MERGE_MAX_CHUNK]`` (one step up to 256 partials)."""
+    MERGE_MAX_CHUNK]`` (one step up to 128 partials)."""
     return min(MERGE_MAX_CHUNK, max(MERGE_SPLIT_CHUNK, triton.next_power_of_2(max(parts, 1))))
 
 
@@ -198,7 +199,11 @@ ROWS_PAIR = False
 """Row-scale path: take each 128-token tile as two 64-token halves in the two halves of the ``2 * BLOCK_H``-wide
 head tile (``decode_int2(pair=...)``, :func:`_pair_split`): a 4-head GQA group fills half of the tensor cores' N = 8,
 so the plain loop's score, softmax and scale work runs on duplicated columns; paired, every element is useful at the
-same tensor-core work."""
+same tensor-core work. Off: in the sm_90 SASS it cuts the loop from 1,683 to 1,565 instructions per tile and warp
+(the float work halves, but selects between the halves' scales and the zeroed probability halves, and layout
+shuffles, take back most of it; 235 registers), and on an H200 (``bench_decode.py --variants --set pair``, commit
+4505b5b, per layer) it was slower everywhere: bs1/8k / 32k / 100k 19.9 / 23.8 / 46.0 µs against 18.6 / 22.4 /
+41.3, bs50/100k 1294 against 1246."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
