@@ -310,6 +310,15 @@ def _word_planes_plain(x, DT: tl.constexpr):
 
 
 @triton.jit
+def _word_planes(x, MAGIC: tl.constexpr, DOT_T: tl.constexpr):
+    """:func:`_word_planes_magic` (``MAGIC``, the PTX unpack) or :func:`_word_planes_plain` (the interpreter's)."""
+    if MAGIC:
+        return _word_planes_magic(x)
+    else:
+        return _word_planes_plain(x, DOT_T)
+
+
+@triton.jit
 def _rotate_q_kernel(
     Q, ROT_K, QN, qk_scale,
     stride_qb, stride_qh, stride_qd,
@@ -335,14 +344,15 @@ def _rotate_q_kernel(
 
 
 @triton.jit
-def _exact_range(BF16_INDPTR, b, part, exact_splits, BLOCK_NB: tl.constexpr):
-    """Rows ``[lo, hi)`` of sequence ``b``'s exact list that exact part ``part`` of ``exact_splits`` covers (whole
-    ``BLOCK_NB`` tiles, the last part shorter or empty), and where the list starts."""
-    bf_start = tl.load(BF16_INDPTR + b)
-    bf_len = tl.load(BF16_INDPTR + b + 1) - bf_start
-    chunk = tl.cdiv(tl.cdiv(bf_len, exact_splits), BLOCK_NB) * BLOCK_NB
+def _list_part(INDPTR, b, part, parts, BLOCK: tl.constexpr):
+    """Where sequence ``b``'s list (INT2 slots or exact rows) starts, and the entries ``[lo, hi)`` that part ``part``
+    of ``parts`` covers: ``ceil(L / parts)`` rounded up to whole ``BLOCK`` tiles each, the last part shorter or
+    empty (an INT2 split, or an exact program's share)."""
+    start = tl.load(INDPTR + b)
+    length = tl.load(INDPTR + b + 1) - start
+    chunk = tl.cdiv(tl.cdiv(length, parts), BLOCK) * BLOCK
     lo = part * chunk
-    return bf_start, lo, tl.minimum(lo + chunk, bf_len)
+    return start, lo, tl.minimum(lo + chunk, length)
 
 
 @triton.jit
@@ -515,6 +525,41 @@ def _rows_tile(start, hi, kv_start, slot_next, offs_t, offs_w, kvh, KV_INDICES,
 
 
 @triton.jit
+def _query_planes(q_rows, mq, HEAD_DIM: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr,
+                  OFF: tl.constexpr, DOT_T: tl.constexpr):
+    """The rotated query of a head tile (``q_rows`` ``[1, H]`` pointers, ``mq`` its column mask) as the eight
+    bit-plane operands ``[d/8, H]`` of the row-scale loops (plane ``j`` of the low byte of code word ``w`` is element
+    ``2w + j d/4``, of the high byte ``2w + 1 + j d/4``; planes 1-3 scaled by ``R1``-``R3``), ``sum(q')`` ``[H]`` and
+    the offset term ``OFF * sum(planes)`` ``[H]`` that the magic-number codes add to every score."""
+    W: tl.constexpr = HEAD_DIM // 8
+    D4: tl.constexpr = HEAD_DIM // 4
+    qw = q_rows + 2 * tl.arange(0, W)[:, None]
+    q0 = tl.load(qw + 0 * D4, mask=mq, other=0.0).to(DOT_T)
+    q1 = (tl.load(qw + 1 * D4, mask=mq, other=0.0) * R1).to(DOT_T)
+    q2 = (tl.load(qw + 2 * D4, mask=mq, other=0.0) * R2).to(DOT_T)
+    q3 = (tl.load(qw + 3 * D4, mask=mq, other=0.0) * R3).to(DOT_T)
+    q4 = tl.load(qw + 1 + 0 * D4, mask=mq, other=0.0).to(DOT_T)
+    q5 = (tl.load(qw + 1 + 1 * D4, mask=mq, other=0.0) * R1).to(DOT_T)
+    q6 = (tl.load(qw + 1 + 2 * D4, mask=mq, other=0.0) * R2).to(DOT_T)
+    q7 = (tl.load(qw + 1 + 3 * D4, mask=mq, other=0.0) * R3).to(DOT_T)
+    qtot = tl.sum(tl.load(q_rows + tl.arange(0, HEAD_DIM)[:, None], mask=mq, other=0.0), 0)  # sum(q')
+    qoff = (tl.sum(q0.to(tl.float32), 0) + tl.sum(q1.to(tl.float32), 0) + tl.sum(q2.to(tl.float32), 0)
+            + tl.sum(q3.to(tl.float32), 0) + tl.sum(q4.to(tl.float32), 0) + tl.sum(q5.to(tl.float32), 0)
+            + tl.sum(q6.to(tl.float32), 0) + tl.sum(q7.to(tl.float32), 0)) * OFF
+    return q0, q1, q2, q3, q4, q5, q6, q7, qtot, qoff
+
+
+@triton.jit
+def _split_state(W: tl.constexpr, H: tl.constexpr):
+    """A row-scale split's empty online-softmax state over ``H`` columns: running max (-inf), sum, ``sum(p*z)``, and
+    the eight ``o'^T`` plane accumulators ``[W, H]`` (code-word rows x columns)."""
+    return (tl.full([H], float("-inf"), tl.float32), tl.zeros([H], tl.float32), tl.zeros([H], tl.float32),
+            tl.zeros([W, H], tl.float32), tl.zeros([W, H], tl.float32), tl.zeros([W, H], tl.float32),
+            tl.zeros([W, H], tl.float32), tl.zeros([W, H], tl.float32), tl.zeros([W, H], tl.float32),
+            tl.zeros([W, H], tl.float32), tl.zeros([W, H], tl.float32))
+
+
+@triton.jit
 def _pair_tile(start, hi, kv_start, sa_next, sb_next, offs_t, offs_w, kvh, isb, KV_INDICES,
                K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
                stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
@@ -541,12 +586,8 @@ def _pair_tile(start, hi, kv_start, sa_next, sb_next, offs_t, offs_w, kvh, isb, 
                                   stride_kss, stride_ksh, stride_kzs, stride_kzh)
     kwb, ksb, kzb = _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, sb, kvh, offs_w, stride_kws, stride_kwh,
                                   stride_kss, stride_ksh, stride_kzs, stride_kzh)
-    if MAGIC:
-        k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(kwa)
-        j0, j1, j2, j3, j4, j5, j6, j7 = _word_planes_magic(kwb)
-    else:
-        k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_plain(kwa, DOT_T)
-        j0, j1, j2, j3, j4, j5, j6, j7 = _word_planes_plain(kwb, DOT_T)
+    k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes(kwa, MAGIC, DOT_T)
+    j0, j1, j2, j3, j4, j5, j6, j7 = _word_planes(kwb, MAGIC, DOT_T)
     qc = tl.dot(k0, qa0, s_init)
     qc = tl.dot(j0, qb0, qc)
     qc = tl.dot(k1, qa1, qc)
@@ -583,12 +624,8 @@ def _pair_tile(start, hi, kv_start, sa_next, sb_next, offs_t, offs_w, kvh, isb, 
     psa = tl.where(isb, zero, ps)
     psb = tl.where(isb, ps, zero)
     pz = pz * alpha + tl.sum(p * vz, 0)
-    if MAGIC:
-        v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(vwa)
-        u0, u1, u2, u3, u4, u5, u6, u7 = _word_planes_magic(vwb)
-    else:
-        v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_plain(vwa, DOT_T)
-        u0, u1, u2, u3, u4, u5, u6, u7 = _word_planes_plain(vwb, DOT_T)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes(vwa, MAGIC, DOT_T)
+    u0, u1, u2, u3, u4, u5, u6, u7 = _word_planes(vwb, MAGIC, DOT_T)
     off_t = (OFF * tl.sum(ps.to(tl.float32), 0))[None, :]  # the 1024 offsets, per tile (see _rows_values)
     al = alpha[None, :]
     a0 = a0 * al + (tl.dot(tl.trans(u0), psb, tl.dot(tl.trans(v0), psa)) - off_t)
@@ -634,29 +671,11 @@ def _pair_split(QN, K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, KV_INDPT
     mq = (hc < GQA)[None, :]
     q_rows = QN + b * stride_qnb + (kvh * GQA + hc)[None, :] * stride_qnh  # [1, 2H]
     offs_w = tl.arange(0, W)
-    qw = q_rows + 2 * offs_w[:, None]
-    if MAGIC:  # as the plain split: codes arrive as 1024 + 4**j c
-        OFF: tl.constexpr = F16_MAGIC
-        R1: tl.constexpr = 0.25
-        R2: tl.constexpr = 0.0625
-        R3: tl.constexpr = 0.015625
-    else:
-        OFF: tl.constexpr = 0.0
-        R1: tl.constexpr = 1.0
-        R2: tl.constexpr = 1.0
-        R3: tl.constexpr = 1.0
-    q0 = tl.load(qw + 0 * D4, mask=mq, other=0.0).to(DOT_T)
-    q1 = (tl.load(qw + 1 * D4, mask=mq, other=0.0) * R1).to(DOT_T)
-    q2 = (tl.load(qw + 2 * D4, mask=mq, other=0.0) * R2).to(DOT_T)
-    q3 = (tl.load(qw + 3 * D4, mask=mq, other=0.0) * R3).to(DOT_T)
-    q4 = tl.load(qw + 1 + 0 * D4, mask=mq, other=0.0).to(DOT_T)
-    q5 = (tl.load(qw + 1 + 1 * D4, mask=mq, other=0.0) * R1).to(DOT_T)
-    q6 = (tl.load(qw + 1 + 2 * D4, mask=mq, other=0.0) * R2).to(DOT_T)
-    q7 = (tl.load(qw + 1 + 3 * D4, mask=mq, other=0.0) * R3).to(DOT_T)
-    qtot = tl.sum(tl.load(q_rows + tl.arange(0, HEAD_DIM)[:, None], mask=mq, other=0.0), 0)  # sum(q') per column
-    qoff = (tl.sum(q0.to(tl.float32), 0) + tl.sum(q1.to(tl.float32), 0) + tl.sum(q2.to(tl.float32), 0)
-            + tl.sum(q3.to(tl.float32), 0) + tl.sum(q4.to(tl.float32), 0) + tl.sum(q5.to(tl.float32), 0)
-            + tl.sum(q6.to(tl.float32), 0) + tl.sum(q7.to(tl.float32), 0)) * OFF
+    OFF: tl.constexpr = F16_MAGIC if MAGIC else 0.0  # as the plain split: codes arrive as 1024 + 4**j c
+    R1: tl.constexpr = 0.25 if MAGIC else 1.0
+    R2: tl.constexpr = 0.0625 if MAGIC else 1.0
+    R3: tl.constexpr = 0.015625 if MAGIC else 1.0
+    q0, q1, q2, q3, q4, q5, q6, q7, qtot, qoff = _query_planes(q_rows, mq, HEAD_DIM, R1, R2, R3, OFF, DOT_T)
     s_init = tl.zeros([HB, C], tl.float32) - qoff[None, :]
     zq = tl.zeros_like(q0)
     qa0, qb0 = tl.where(isb, zq, q0), tl.where(isb, q0, zq)
@@ -668,23 +687,9 @@ def _pair_split(QN, K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, KV_INDPT
     qa6, qb6 = tl.where(isb, zq, q6), tl.where(isb, q6, zq)
     qa7, qb7 = tl.where(isb, zq, q7), tl.where(isb, q7, zq)
 
-    m_i = tl.full([C], float("-inf"), tl.float32)
-    l_i = tl.zeros([C], tl.float32)
-    pz = tl.zeros([C], tl.float32)
-    a0 = tl.zeros([W, C], tl.float32)
-    a1 = tl.zeros([W, C], tl.float32)
-    a2 = tl.zeros([W, C], tl.float32)
-    a3 = tl.zeros([W, C], tl.float32)
-    a4 = tl.zeros([W, C], tl.float32)
-    a5 = tl.zeros([W, C], tl.float32)
-    a6 = tl.zeros([W, C], tl.float32)
-    a7 = tl.zeros([W, C], tl.float32)
+    m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7 = _split_state(W, C)
 
-    kv_start = tl.load(KV_INDPTR + b)
-    kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
-    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, kv_len)
+    kv_start, lo, hi = _list_part(KV_INDPTR, b, split, num_splits, BLOCK_N)
     offs_t = tl.arange(0, HB)
     sa_next = tl.load(KV_INDICES + kv_start + lo + offs_t, mask=lo + offs_t < hi, other=0)
     sb_next = tl.load(KV_INDICES + kv_start + lo + HB + offs_t, mask=lo + HB + offs_t < hi, other=0)
@@ -765,49 +770,18 @@ def _decode_rows_kernel(
     elif split < num_splits:
         # ---------------- INT2 split: tokens x heads tiles ----------------
         offs_w = tl.arange(0, W)
-        qw = q_rows + 2 * offs_w[:, None]  # [W, H]: element 2w (low byte) / 2w + 1 (high byte) of plane 0
         mq = mask_h[None, :]
-        if MAGIC:  # codes arrive as 1024 + 4**j c: divide the query planes by 4**j, remove 1024 * sum(q) below
-            OFF: tl.constexpr = F16_MAGIC
-            R1: tl.constexpr = 0.25
-            R2: tl.constexpr = 0.0625
-            R3: tl.constexpr = 0.015625
-        else:
-            OFF: tl.constexpr = 0.0
-            R1: tl.constexpr = 1.0
-            R2: tl.constexpr = 1.0
-            R3: tl.constexpr = 1.0
-        q0 = tl.load(qw + 0 * D4, mask=mq, other=0.0).to(DOT_T)
-        q1 = (tl.load(qw + 1 * D4, mask=mq, other=0.0) * R1).to(DOT_T)
-        q2 = (tl.load(qw + 2 * D4, mask=mq, other=0.0) * R2).to(DOT_T)
-        q3 = (tl.load(qw + 3 * D4, mask=mq, other=0.0) * R3).to(DOT_T)
-        q4 = tl.load(qw + 1 + 0 * D4, mask=mq, other=0.0).to(DOT_T)
-        q5 = (tl.load(qw + 1 + 1 * D4, mask=mq, other=0.0) * R1).to(DOT_T)
-        q6 = (tl.load(qw + 1 + 2 * D4, mask=mq, other=0.0) * R2).to(DOT_T)
-        q7 = (tl.load(qw + 1 + 3 * D4, mask=mq, other=0.0) * R3).to(DOT_T)
-        qtot = tl.sum(tl.load(q_rows + tl.arange(0, HEAD_DIM)[:, None], mask=mq, other=0.0), 0)  # sum(q')
-        qoff = (tl.sum(q0.to(tl.float32), 0) + tl.sum(q1.to(tl.float32), 0) + tl.sum(q2.to(tl.float32), 0)
-                + tl.sum(q3.to(tl.float32), 0) + tl.sum(q4.to(tl.float32), 0) + tl.sum(q5.to(tl.float32), 0)
-                + tl.sum(q6.to(tl.float32), 0) + tl.sum(q7.to(tl.float32), 0)) * OFF
+        # codes arrive as 1024 + 4**j c (MAGIC): the query planes are divided by 4**j, 1024 * sum(q) removed
+        OFF: tl.constexpr = F16_MAGIC if MAGIC else 0.0
+        R1: tl.constexpr = 0.25 if MAGIC else 1.0
+        R2: tl.constexpr = 0.0625 if MAGIC else 1.0
+        R3: tl.constexpr = 0.015625 if MAGIC else 1.0
+        q0, q1, q2, q3, q4, q5, q6, q7, qtot, qoff = _query_planes(q_rows, mq, HEAD_DIM, R1, R2, R3, OFF, DOT_T)
         s_init = tl.zeros([BLOCK_N, BLOCK_H], tl.float32) - qoff[None, :]
 
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        pz = tl.zeros([BLOCK_H], tl.float32)  # sum of p*z
-        a0 = tl.zeros([W, BLOCK_H], tl.float32)  # o'^T planes: code-word rows x heads
-        a1 = tl.zeros([W, BLOCK_H], tl.float32)
-        a2 = tl.zeros([W, BLOCK_H], tl.float32)
-        a3 = tl.zeros([W, BLOCK_H], tl.float32)
-        a4 = tl.zeros([W, BLOCK_H], tl.float32)
-        a5 = tl.zeros([W, BLOCK_H], tl.float32)
-        a6 = tl.zeros([W, BLOCK_H], tl.float32)
-        a7 = tl.zeros([W, BLOCK_H], tl.float32)
+        m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7 = _split_state(W, BLOCK_H)
 
-        kv_start = tl.load(KV_INDPTR + b)
-        kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
-        split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, kv_len)
+        kv_start, lo, hi = _list_part(KV_INDPTR, b, split, num_splits, BLOCK_N)
         offs_t = tl.arange(0, BLOCK_N)
         if PIPELINE:
             # software pipeline: tile i + 1's words, scales and zeros are loaded while tile i is computed (their
@@ -880,7 +854,7 @@ def _decode_rows_kernel(
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
     elif split < num_splits + num_exact:
         # ---------------- exact (BF16) split: tokens x heads, natural element order ----------------
-        bf_start, bf_lo, bf_hi = _exact_range(BF16_INDPTR, b, split - num_splits, num_exact, BLOCK_NB)
+        bf_start, bf_lo, bf_hi = _list_part(BF16_INDPTR, b, split - num_splits, num_exact, BLOCK_NB)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         if EXACT_QUARTERS:  # rows read and multiplied a quarter of the head dim at a time: fewer live registers
@@ -1144,7 +1118,7 @@ def _decode_int2_kernel(
                 m_i = m_new
         else:
             # ---------------- exact (BF16) split ----------------
-            bf_start, bf_lo, bf_hi = _exact_range(BF16_INDPTR, b, split - num_splits, num_exact, BLOCK_NB)
+            bf_start, bf_lo, bf_hi = _list_part(BF16_INDPTR, b, split - num_splits, num_exact, BLOCK_NB)
             for start in range(bf_lo, bf_hi, BLOCK_NB):
                 offs_n = start + tl.arange(0, BLOCK_NB)
                 mask_n = offs_n < bf_hi
