@@ -40,8 +40,17 @@ SCRIPT = textwrap.dedent('''
                 got = False
             assert got == ok, (K, got)
     print("narrow dot refused")
+    sys.path.insert(0, TESTS_DIR)
+    import test_decode_int2 as twins  # the tests' own @jit twins of the plan's device rules compile too
+
+    with compile_only():
+        z = torch.zeros(64, dtype=torch.int32)
+        twins._split_count_kernel[(1,)](z, z, 2048, 128, 256, 128, BLOCK=64)
+        twins._balance_count_kernel[(1,)](z, z, z, z, z, 132, 4, 2048, 128, 256, BLOCK=64, BLOCK_N=128, ROWS=40,
+                                          MIN_ROWS=80)
+    print("test twins compile")
     sys.exit(main(["--head-dims", "16,32,64,128"]))
-''')
+''').replace("TESTS_DIR", repr(str(Path(__file__).parent)))
 
 
 @pytest.mark.slow
@@ -57,7 +66,7 @@ def test_every_kernel_compiles_for_sm90_without_a_gpu(tmp_path, triton_site):
     script.write_text(SCRIPT)
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "narrow dot refused" in r.stdout
+    assert "narrow dot refused" in r.stdout and "test twins compile" in r.stdout
     if triton_site is not None:
         assert "triton 3.6.0" in r.stdout
     names = {line.split(": ")[1].split(" (")[0] for line in r.stdout.splitlines() if line.startswith("sm_90 head dim")}

@@ -269,10 +269,10 @@ def test_balance_counts_at_the_benchmark_shapes():
 
 @triton.jit
 def _balance_count_kernel(L, E, N, OUT_N, OUT_E, parts, exact_splits, split_tokens, min_splits, min_split_tokens,
-                          BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, MIN_ROWS: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     n, e = balance_count(tl.load(L + offs), tl.load(E + offs), tl.load(N + offs), parts, exact_splits, split_tokens,
-                         min_splits, min_split_tokens, BLOCK_N, EXACT_ROWS_PER_TILE, EXACT_SPLIT_ROWS)
+                         min_splits, min_split_tokens, BLOCK_N, ROWS, MIN_ROWS)
     tl.store(OUT_N + offs, n)
     tl.store(OUT_E + offs, e)
 
@@ -289,7 +289,8 @@ def test_balance_count_twin_matches_torch():
         out_e = torch.full((64,), -1, dtype=torch.int32, device=DEVICE)
         _balance_count_kernel[(1,)](lens.to(DEVICE), ex.to(DEVICE), pol.num_splits(lens).to(DEVICE), out_n, out_e,
                                     pol.max_splits + exact, exact, pol.split_tokens, pol.min_splits,
-                                    pol.min_split_tokens, BLOCK=64, BLOCK_N=128)
+                                    pol.min_split_tokens, BLOCK=64, BLOCK_N=128, ROWS=EXACT_ROWS_PER_TILE,
+                                    MIN_ROWS=EXACT_SPLIT_ROWS)
         assert torch.equal(out_n.cpu(), want_n) and torch.equal(out_e.cpu(), want_e)
         assert bool((want_n + want_e <= pol.max_splits + exact).all()) and int(want_n.min()) >= 1
 
