@@ -91,7 +91,8 @@ def bench_cmd(
                                       "--prefill-budget tokens), null (distinct prompts whose prefill skips the "
                                       "model: each request gets its own pages at the full context for about no "
                                       "prefill time; the benchmark plugin oscar_bench_fill is loaded in every "
-                                      "server).")] = "auto",
+                                      "server). --profile fills its streams with distinct pages under null, with "
+                                      "one shared prefix otherwise.")] = "auto",
     prefill_budget: Annotated[int, typer.Option("--prefill-budget", help="Largest batch x context that --fill auto "
                                                 "really prefills.")] = 400_000,
     max_running: Annotated[int, typer.Option("--max-running-requests", help="oscar's request slots (the baselines "
