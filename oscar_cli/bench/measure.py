@@ -7,7 +7,8 @@ import http.client
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,33 @@ class Run:
         raise RuntimeError(f"the prefix is not reused (cached_tokens {cached} of {plen} after prefilling it)")
 
 
+def fill_prompts(run: Run, fill: str, batch: int, context: int) -> tuple[list[list[int]], int, int | None]:
+    """``batch`` prompts that bring each stream to ``context`` tokens once ``decode_tokens`` are decoded, filled as
+    ``fill`` says: ``prefix``, one shared prefix (prefilled once) plus a new suffix each; otherwise distinct prompts
+    after a cache flush. Returns the prompts, the tokens their prefill computes, and the prefix probe's
+    ``cached_tokens`` (None without a prefix)."""
+    cfg = run.cfg
+    if fill == "prefix":
+        prefix, cached = run.ensure_prefix(context)
+        return [prefix + run.prompt(SUFFIX_TOKENS) for _ in range(batch)], batch * SUFFIX_TOKENS, cached
+    run.flush()
+    return [run.prompt(context - cfg.decode_tokens) for _ in range(batch)], batch * (context - cfg.decode_tokens), None
+
+
+@contextmanager
+def null_fill_flag(cfg: BenchConfig, fill: str) -> Iterator[Path | None]:
+    """For a ``null`` fill, the flag file that makes the servers' extends skip the model, present from entry until the
+    caller removes it (once every stream has its first token) or the block ends; None for other fills."""
+    flag = Path(cfg.out) / NULL_FILL_FLAG if fill == "null" else None
+    if flag is not None:
+        flag.touch()
+    try:
+        yield flag
+    finally:
+        if flag is not None:
+            flag.unlink(missing_ok=True)
+
+
 def fill_for(cfg: BenchConfig, batch: int, context: int) -> str:
     if cfg.fill != "auto":
         return cfg.fill
@@ -223,28 +251,12 @@ def decode_at(run: Run, batch: int, context: int, roles: list[str]) -> dict:
     """One throughput point: ``batch`` requests at ``context`` tokens, filled as :func:`fill_for` says."""
     cfg = run.cfg
     fill = fill_for(cfg, batch, context)
-    if fill in ("prefill", "null"):
-        run.flush()
-    cached = None
-    if fill == "prefix":
-        prefix, cached = run.ensure_prefix(context)
-        prompts = [prefix + run.prompt(SUFFIX_TOKENS) for _ in range(batch)]
-        prefill_tokens = batch * SUFFIX_TOKENS
-    else:
-        prompts = [run.prompt(context - cfg.decode_tokens) for _ in range(batch)]
-        prefill_tokens = batch * (context - cfg.decode_tokens)
+    prompts, prefill_tokens, cached = fill_prompts(run, fill, batch, context)
     mark = run.server.log_size()
     timeout = run.ceiling(prefill_tokens, cfg.decode_tokens, batch, context)
-    flag = Path(cfg.out) / NULL_FILL_FLAG if fill == "null" else None
-    if flag is not None:  # the servers' extends skip the model until every request has its first token
-        flag.touch()
-    try:
-        with Monitor(run.server.url, run.gpu) as mon:
-            streams = run.generate(prompts, cfg.decode_tokens, timeout, f"decode bs{batch} at {context} ({fill})",
-                                   all_started=None if flag is None else (lambda: flag.unlink(missing_ok=True)))
-    finally:
-        if flag is not None:
-            flag.unlink(missing_ok=True)
+    with null_fill_flag(cfg, fill) as flag, Monitor(run.server.url, run.gpu) as mon:
+        streams = run.generate(prompts, cfg.decode_tokens, timeout, f"decode bs{batch} at {context} ({fill})",
+                               all_started=None if flag is None else (lambda: flag.unlink(missing_ok=True)))
     win = decode_window(streams)
     srv = server_decode_rate(run.server.log_text(mark), batch)
     errors = sorted({s.error for s in streams if s.error})
@@ -340,35 +352,21 @@ def profile_point(run: Run, batch: int, context: int) -> dict:
     partly serves: a lower bound on a distinct-page step's attention)."""
     cfg = run.cfg
     fill = "null" if fill_for(cfg, batch, context) == "null" else "prefix"
-    cached = None
-    if fill == "null":
-        run.flush()
-        prompts = [run.prompt(context - cfg.decode_tokens) for _ in range(batch)]
-        prefill_tokens = batch * (context - cfg.decode_tokens)
-    else:
-        prefix, cached = run.ensure_prefix(context)
-        prompts = [prefix + run.prompt(SUFFIX_TOKENS) for _ in range(batch)]
-        prefill_tokens = batch * SUFFIX_TOKENS
+    prompts, prefill_tokens, cached = fill_prompts(run, fill, batch, context)
     pid = f"{run.config.name}-bs{batch}-{context}-{int(time.time())}"
     folder = Path(cfg.out).resolve() / "profiles"
     folder.mkdir(parents=True, exist_ok=True)
     steps = max(cfg.decode_tokens, 4 * PROFILE_STEPS)
     streams = [Stream(prompt_tokens=len(p)) for p in prompts]
     timeout = run.ceiling(prefill_tokens, steps, batch, context)
-    flag = Path(cfg.out) / NULL_FILL_FLAG if fill == "null" else None
-    if flag is not None:  # the extends skip the model until every stream has its first token
-        flag.touch()
     threads = [threading.Thread(target=stream_generate, args=(run.server.url, p, steps, timeout, s), daemon=True)
                for p, s in zip(prompts, streams, strict=True)]
-    try:
+    with null_fill_flag(cfg, fill):  # gone once every stream has its first token
         for t in threads:
             t.start()
         end = time.perf_counter() + timeout
         while not all(s.events or s.error for s in streams) and time.perf_counter() < end:
             time.sleep(0.05)
-    finally:
-        if flag is not None:
-            flag.unlink(missing_ok=True)
     run.progress.describe(f"{run.config.name}: profiling bs{batch} at {context}")
     run.server.post("/start_profile", {"output_dir": str(folder), "num_steps": PROFILE_STEPS, "activities": ["GPU"],
                                        "with_stack": False, "record_shapes": False, "profile_id": pid}, timeout=120)
