@@ -419,10 +419,7 @@ def _rows_scores(kw, ks, kz, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, s_init, qto
                  MAGIC: tl.constexpr, DOT_T: tl.constexpr, MASKED: tl.constexpr = True):
     """A row-scale tile's base-2 scores ``s = s_k (q'.c) + z_k sum(q')`` [N, H] -> online-softmax step:
     ``(p, alpha, m_new, l_new)``; ``MASKED``: tokens outside ``mask_n`` score -inf (without it all count)."""
-    if MAGIC:
-        k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(kw)
-    else:
-        k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_plain(kw, DOT_T)
+    k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes(kw, MAGIC, DOT_T)
     qc = tl.dot(k0, q0, s_init)
     qc = tl.dot(k1, q1, qc)
     qc = tl.dot(k2, q2, qc)
@@ -447,10 +444,7 @@ def _rows_values(p, alpha, vw, vs, vz, pz, a0, a1, a2, a3, a4, a5, a6, a7,
     by ``alpha``) and ``sum_t p_t z_t`` into ``pz``."""
     ps = (p * vs[:, None]).to(DOT_T)
     pz = pz * alpha + tl.sum(p * vz[:, None], 0)
-    if MAGIC:
-        v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(vw)
-    else:
-        v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_plain(vw, DOT_T)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes(vw, MAGIC, DOT_T)
     # the 1024 offsets leave each tile's product before it is carried: the tensor cores' fp32 accumulation
     # truncates, and carried over a long split next to the offsets its bias grew with the split length
     # (5e-2 relative error over 4k tokens on an H200; written as dot(...) - off, Triton cannot fold the

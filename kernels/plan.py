@@ -93,8 +93,7 @@ def _plan_lengths_kernel(
     C0, EXT, START, KV_INDPTR, BF16_INDPTR, QO_INDPTR, NUM_SPLITS, NUM_EXACT,
     batch, max_len, split_tokens, min_splits, min_split_tokens, max_splits, exact_splits,
     SINK: tl.constexpr, RECENT: tl.constexpr, DECODE: tl.constexpr, BLOCK_B: tl.constexpr,
-    BALANCE: tl.constexpr = False, BLOCK_N: tl.constexpr = 128, ROWS_PER_TILE: tl.constexpr = 64,
-    MIN_ROWS: tl.constexpr = 128,
+    BALANCE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, MIN_ROWS: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK_B)
     m = offs < batch
@@ -243,7 +242,7 @@ class _Plan:
             b["c0"], b["ext"], b["start"], b["kv_indptr"], b["bf16_indptr"], b["qo_indptr"], b["num_splits"],
             b["num_exact"], bsz, self.max_seq_len, *sp, balance.get("exact_splits", 1),
             SINK=pool.sink, RECENT=pool.recent, DECODE=decode, BLOCK_B=triton.next_power_of_2(bsz),
-            BALANCE=bool(balance), BLOCK_N=balance.get("block_n", 128),
+            BALANCE=bool(balance), BLOCK_N=balance.get("block_n", ROWS_BLOCK_N),
             ROWS_PER_TILE=balance.get("rows_per_tile", EXACT_ROWS_PER_TILE),
             MIN_ROWS=balance.get("min_rows", EXACT_SPLIT_ROWS),
         )
