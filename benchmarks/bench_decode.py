@@ -256,8 +256,8 @@ STEP_VARIANTS_BALANCE = [
 default: at bs1/100k two exact programs, whose INT2 splits take 130 of the 132 programs per head, six tiles each)
 against four for every sequence, and the balance rule's exact rows per program per INT2 tile and floor. Its first
 run (commit 0c8db62, RESULTS.md) timed the rule at 64 rows per tile (one exact program at 100k, the longest) and
-16-row exact tiles (168 registers, 12 one-warp programs per SM; 1.3-1.4x slower at bs1/100k with 128 or 196
-splits)."""
+16-row exact tiles (197 registers under Triton 3.6, 10 one-warp programs per SM, not the 12 hoped for; 1.3-1.4x
+slower at bs1/100k with 128 or 196 splits)."""
 STEP_VARIANTS_PAIR = [
     ("merge chunk 256 (one step at 131-132 partials, 8 warps)", dict(merge_chunk=256)),
     ("default (merge chunk 128)", {}),
@@ -361,7 +361,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", choices=sorted(VARIANT_SETS), default=None, dest="variant_set",
                     help="with --variants: time this named set instead (l2: L2 prefetch of the tiles ahead; "
                          "write-peel: unmasked whole tiles, the K/V write with its whole rotation at once, the merge "
-                         "chunk; one-wave: split and exact program counts that fill one wave at bs1/100k)")
+                         "chunk; one-wave: split and exact program counts that fill one wave at bs1/100k; "
+                         "balance: exact programs per sequence from the context; pair: two half tiles side by side "
+                         "and the 256-partial merge)")
     ap.add_argument("--l2", action="store_true", help="with --variants: the same as --set l2")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,
