@@ -269,8 +269,19 @@ padded columns (``pair``: 1,565 instructions per tile and warp against 1,683 in 
 the merge reading up to 256 partials in one step with 8 warps (one-sequence batches have 131-132 partials) against
 128 per step. Its run (commit 4505b5b, RESULTS.md) had 256 as the default row and "merge chunk 128" below it: both
 off since (slower, and level)."""
+STEP_VARIANTS_ASYNC = [
+    ("default", {}),
+    ("async tiles", dict(async_tiles=True)),
+    ("async tiles, no register cap", dict(async_tiles=True, max_registers=0)),
+    ("async tiles, maxnreg 168, 1584 programs", dict(async_tiles=True, max_registers=168, min_programs=1584)),
+]
+"""``--variants --set async``: the Gluon split kernel (:mod:`oscar_kernels.decode_async`: the next tile's code words
+copied into shared memory with ``cp.async`` while a tile computes, its scales loaded a tile ahead) against the
+Triton one, with the default register cap (168 from 2048 programs on), none, and 168 with 12 programs per SM at
+small batches. An ``ncu`` source profile of the Triton kernel (bs1/100k and bs50/100k, H200) put ~30% of the warps'
+stall samples on the two loads each tile waits for (the key words before the scores, the value words after)."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
-                "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR}
+                "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR, "async": STEP_VARIANTS_ASYNC}
 """Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out). The sets measured
 before ``balance`` became the default (all but ``balance``) ran with three exact programs for every sequence; run
 them with ``balance=False`` added to compare."""

@@ -204,6 +204,9 @@ same tensor-core work. Off: in the sm_90 SASS it cuts the loop from 1,683 to 1,5
 shuffles, take back most of it; 235 registers), and on an H200 (``bench_decode.py --variants --set pair``, commit
 4505b5b, per layer) it was slower everywhere: bs1/8k / 32k / 100k 19.9 / 23.8 / 46.0 µs against 18.6 / 22.4 /
 41.3, bs50/100k 1294 against 1246."""
+ROWS_ASYNC = False
+"""Row-scale path on CUDA: the split kernel of :mod:`oscar_kernels.decode_async` (INT2 tiles staged through shared
+memory with ``cp.async`` one tile ahead) where it covers the launch."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
@@ -1431,6 +1434,7 @@ def decode_int2(
     block_nb: int | None = None,
     peel: bool = ROWS_PEEL,
     pair: bool = ROWS_PAIR,
+    async_tiles: bool = ROWS_ASYNC,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -1461,6 +1465,9 @@ def decode_int2(
         pair: row-scale path: each 128-token tile as two 64-token halves side by side in the head tile's padded
             columns (``ROWS_PAIR``; with ``prefetch``, without ``pipeline``, ``peel``, ``early_v`` or ``l2_ahead``).
         pipeline: row-scale path: software-pipeline the split loop (``ROWS_PIPELINE``).
+        async_tiles: row-scale path on CUDA: run :mod:`oscar_kernels.decode_async`'s split kernel (the next tile's
+            words copied into shared memory with ``cp.async`` while a tile computes) where it covers the launch
+            (:func:`~oscar_kernels.decode_async.usable`, no other row-scale variant asked for); ``ROWS_ASYNC``.
         exact_quarters: row-scale path: the exact split reads and multiplies its rows a quarter of the head dim at a
             time (202 registers instead of 233 for the kernel at d = 128 with 32-row exact tiles, sink 64 / recent
             256: more resident programs; measured slower on an H200, commit f70fdbc: RESULTS.md).
@@ -1537,28 +1544,55 @@ def decode_int2(
         if max_registers is None and bsz * hkv * max_splits >= ROWS_CAPPED_PROGRAMS:
             max_registers = ROWS_MAX_REGISTERS
         kw, vw = k.words, v.words
-        _decode_rows_kernel[(bsz, hkv, parts)](
-            q_rot,
-            kw, k.scale, k.zero, vw, v.scale, v.zero,
-            cache.k_bf16, cache.v_bf16,
-            index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
-            part_o, part_lse, index.num_splits, num_exact,
-            parts, index.exact_splits,
-            q_rot.stride(0), q_rot.stride(1),
-            kw.stride(0), kw.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0), k.zero.stride(1),
-            vw.stride(0), vw.stride(1), v.scale.stride(0), v.scale.stride(1), v.zero.stride(0), v.zero.stride(1),
-            cache.k_bf16.stride(0), cache.k_bf16.stride(1), cache.v_bf16.stride(0), cache.v_bf16.stride(1),
-            part_o.stride(0), part_o.stride(1), part_o.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            GQA=gqa, BLOCK_H=max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d,
-            BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=block_nb or BF16_BLOCK_N,
-            MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
-            BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
-            PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline), PDL=pdl, EXACT_QUARTERS=bool(exact_quarters),
-            L2_AHEAD=l2_ahead, PEEL=bool(peel) and not pipeline, PER_SEQ_EXACT=per_seq_exact, PAIR=bool(pair),
-            num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES, launch_pdl=pdl,
-            **({"maxnreg": max_registers} if max_registers else {}),
-        )
+        split_kernel = _decode_rows_kernel
+        if async_tiles and not fp32_dot and not (pair or peel or pipeline or early_v or l2_ahead or pdl
+                                                 or exact_quarters) and prefetch:
+            from . import decode_async
+
+            if decode_async.usable(d, block_n, block_nb, num_warps):
+                split_kernel = decode_async.split_kernel()
+        if split_kernel is not _decode_rows_kernel:
+            split_kernel[(bsz, hkv, parts)](
+                q_rot,
+                kw, k.scale, k.zero, vw, v.scale, v.zero,
+                cache.k_bf16, cache.v_bf16,
+                index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
+                part_o, part_lse, index.num_splits, num_exact,
+                parts, index.exact_splits,
+                q_rot.stride(0), q_rot.stride(1),
+                kw.stride(0), kw.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0),
+                k.zero.stride(1), vw.stride(0), vw.stride(1), v.scale.stride(0), v.scale.stride(1),
+                v.zero.stride(0), v.zero.stride(1),
+                cache.k_bf16.stride(0), cache.k_bf16.stride(1), cache.v_bf16.stride(0), cache.v_bf16.stride(1),
+                part_o.stride(0), part_o.stride(1), part_o.stride(2),
+                part_lse.stride(0), part_lse.stride(1),
+                GQA=gqa, BLOCK_H=max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa)), OFF64=cache.off64,
+                PER_SEQ_EXACT=per_seq_exact, num_warps=1,
+                **({"maxnreg": max_registers} if max_registers else {}),
+            )
+        else:
+            _decode_rows_kernel[(bsz, hkv, parts)](
+                q_rot,
+                kw, k.scale, k.zero, vw, v.scale, v.zero,
+                cache.k_bf16, cache.v_bf16,
+                index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
+                part_o, part_lse, index.num_splits, num_exact,
+                parts, index.exact_splits,
+                q_rot.stride(0), q_rot.stride(1),
+                kw.stride(0), kw.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0), k.zero.stride(1),
+                vw.stride(0), vw.stride(1), v.scale.stride(0), v.scale.stride(1), v.zero.stride(0), v.zero.stride(1),
+                cache.k_bf16.stride(0), cache.k_bf16.stride(1), cache.v_bf16.stride(0), cache.v_bf16.stride(1),
+                part_o.stride(0), part_o.stride(1), part_o.stride(2),
+                part_lse.stride(0), part_lse.stride(1),
+                GQA=gqa, BLOCK_H=max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d,
+                BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=block_nb or BF16_BLOCK_N,
+                MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
+                BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
+                PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline), PDL=pdl, EXACT_QUARTERS=bool(exact_quarters),
+                L2_AHEAD=l2_ahead, PEEL=bool(peel) and not pipeline, PER_SEQ_EXACT=per_seq_exact, PAIR=bool(pair),
+                num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES, launch_pdl=pdl,
+                **({"maxnreg": max_registers} if max_registers else {}),
+            )
     else:
         if num_warps is None:
             num_warps = SMALL_BATCH_WARPS if bsz * hkv <= 16 else GENERAL_WARPS

@@ -382,6 +382,46 @@ def test_decode_paths_agree(path, monkeypatch):
     assert rel_err(out, ref) <= MAX_REL
 
 
+@pytest.mark.parametrize("layout", ["head-major", "slot-major", "int64"])
+def test_decode_async_tiles(layout, monkeypatch):
+    """``async_tiles`` (the Gluon split kernel: INT2 tiles staged through shared memory one tile ahead) gives the
+    reference answer on ragged lengths (an empty INT2 part, single-tile and many-tile splits, a split count over
+    ``max_splits`` with per-sequence exact programs), pools in both layouts and with 64-bit offsets, poisoned
+    workspace and out, and agrees with the Triton split kernel; where it does not cover the launch (the
+    interpreter, other row-scale variants, d = 64) the Triton kernel runs and the answer is the same."""
+    if layout == "int64":
+        monkeypatch.setattr(layout_module, "OFFSET64", 1)
+    gen = torch.Generator().manual_seed(509)
+    d, gqa = 128, 4
+    bf16_lens = [70, 5, 0, 33] if ON_GPU else [40, 9, 0, 3]
+    lists = make_cache(INT2_LENS, bf16_lens, HKV, d, d, gen, head_major=layout != "slot-major")
+    q = (torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    indexes = [lists.index(SPLITS, MAX_SPLITS, 3),
+               DecodeIndex(lists.kv_indptr, lists.kv_indices, lists.bf16_indptr, lists.bf16_indices,
+                           torch.tensor([9, 1, 4, 2], dtype=torch.int32, device=DEVICE), 3, 3,
+                           torch.tensor([1, 3, 2, 1], dtype=torch.int32, device=DEVICE))]
+    for index in indexes:
+        ref = decode_int2_ref(q, lists.cache, index)
+        outs = []
+        for knobs in (dict(async_tiles=True), dict(async_tiles=False), dict(async_tiles=True, peel=True)):
+            ws = decode_workspace(q.shape[0], q.shape[1], d, index.max_splits, DEVICE, index.exact_splits)
+            for t in ws:
+                t.fill_(float("nan"))
+            out = torch.full(q.shape, float("nan"), device=DEVICE)
+            decode_int2(q, lists.cache, index, workspace=ws, out=out, **knobs)
+            assert torch.isfinite(out).all()
+            torch.testing.assert_close(out, ref, **TOL)
+            assert rel_err(out, ref) <= MAX_REL
+            outs.append(out)
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-2, rtol=1e-2)
+    small = make_cache(INT2_LENS, BF16_LENS, HKV, 64, 64, gen)
+    q64 = torch.randn(len(INT2_LENS), HKV * gqa, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    index = small.index(SPLITS, MAX_SPLITS)
+    out = torch.full(q64.shape, float("nan"), device=DEVICE)
+    decode_int2(q64, small.cache, index, out=out, async_tiles=True)
+    torch.testing.assert_close(out, decode_int2_ref(q64, small.cache, index), **TOL)
+
+
 def test_decode_row_kernel_needs_row_scales():
     gen = torch.Generator().manual_seed(31)
     lists = make_cache([4], [2], 2, 128, 32, gen)

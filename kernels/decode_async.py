@@ -1,0 +1,325 @@
+"""The row-scale decode split kernel with its INT2 tiles staged through shared memory by ``cp.async`` (Gluon).
+
+Same grid, lists, partials and math as :func:`oscar_kernels.decode_int2._decode_rows_kernel` (``PREFETCH`` on, the
+other variants off): program ``(b, kvh, split)`` runs INT2 split ``split < n`` or exact program ``split - n < e`` of
+sequence ``b`` (counts from the plan, :func:`~oscar_kernels.decode_int2._split_counts`), and writes one normalised
+partial and its base-2 log-sum-exp per query head of the GQA group.
+
+What differs is where each tile's bytes wait. The Triton kernel loads a tile's key words into registers, stores
+them to shared memory for the tensor-core operand layout, then does the same for the value words after the scores:
+every tile waits twice on HBM (an ``ncu`` source profile on an H200 put ~30% of the warps' stall samples on those
+two waits, at batch 1 and at batch 50). Here the key and value words of tile ``i + 1`` are copied global -> shared
+with ``cp.async`` while tile ``i`` is computed (two stages of ``2 x BLOCK_N x d/8`` int16, no registers held), its
+scales and zeros are loaded into registers one tile ahead, and its slots two tiles ahead. The tile's words reach the
+``mma`` operand layout straight from shared memory (``ldmatrix``; the value words through a transposed view).
+
+Written in Gluon (``triton.experimental.gluon``, explicit layouts and shared memory), so it runs on CUDA only and
+only for the shapes it was written for (``d = 128``, 128-token tiles, one warp); :func:`usable` says when, and
+:func:`~oscar_kernels.decode_int2.decode_int2` falls back to the Triton kernel otherwise (and under the
+interpreter, which does not run Gluon).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+HEAD_DIM = 128
+"""The head dim the kernel's layouts are written for."""
+BLOCK_N = 128
+"""INT2 tokens per tile (the MMA M of the key product and K of the value product)."""
+BLOCK_NB = 32
+"""Exact rows per tile of an exact program."""
+STAGES = gl.constexpr(2)
+"""Shared-memory stages of the INT2 tiles (the tile computed and the one in flight)."""
+
+_F16_PAIR = 0x64006400  # two fp16 1024.0
+_WORD_PLANES = gl.constexpr(
+    "{ .reg .b32 h; "
+    f"lop3.b32 $0, $8, 0x00030003, {_F16_PAIR:#x}, 0xea; lop3.b32 $1, $8, 0x000c000c, {_F16_PAIR:#x}, 0xea; "
+    f"lop3.b32 $2, $8, 0x00300030, {_F16_PAIR:#x}, 0xea; lop3.b32 $3, $8, 0x00c000c0, {_F16_PAIR:#x}, 0xea; "
+    "shr.b32 h, $8, 8; "
+    f"lop3.b32 $4, h, 0x00030003, {_F16_PAIR:#x}, 0xea; lop3.b32 $5, h, 0x000c000c, {_F16_PAIR:#x}, 0xea; "
+    f"lop3.b32 $6, h, 0x00300030, {_F16_PAIR:#x}, 0xea; lop3.b32 $7, h, 0x00c000c0, {_F16_PAIR:#x}, 0xea; }}"
+)
+"""The Triton kernel's unpack (:data:`oscar_kernels.decode_int2._WORD_PLANES`): int16 code words -> eight fp16
+planes ``1024 + 4**j c``, one LOP3 per two codes."""
+
+
+def usable(head_dim: int, block_n: int | None, block_nb: int | None, num_warps: int | None) -> bool:
+    """Whether the kernel covers a launch of these parameters (the caller checks CUDA and the other variants)."""
+    return head_dim == HEAD_DIM and block_n in (None, BLOCK_N) and block_nb in (None, BLOCK_NB) \
+        and num_warps in (None, 1)
+
+
+@gluon.jit
+def _planes(x):
+    return gl.inline_asm_elementwise(_WORD_PLANES, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],
+                                     dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT: gl.constexpr):
+    if PER_SEQ_EXACT:
+        e = gl.minimum(gl.maximum(gl.load(NUM_EXACT + b), 1), exact_splits)
+    else:
+        e = exact_splits
+    n = gl.minimum(gl.maximum(gl.load(NUM_SPLITS + b), 1), parts - e)
+    return n, e
+
+
+@gluon.jit
+def _part(INDPTR, b, part, parts, BLOCK: gl.constexpr):
+    start = gl.load(INDPTR + b)
+    length = gl.load(INDPTR + b + 1) - start
+    chunk = gl.cdiv(gl.cdiv(length, parts), BLOCK) * BLOCK
+    lo = part * chunk
+    return start, lo, gl.minimum(lo + chunk, length)
+
+
+@gluon.jit
+def _finish(m_i, l_i):
+    has = l_i > 0.0
+    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+    lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+    return inv_l, lse
+
+
+@gluon.jit
+def _issue_tile(K_WORDS, V_WORDS, k_dst, v_dst, slot, kvh, offs_w, stride_kws, stride_kwh, stride_vws, stride_vwh,
+                ROWS: gl.constexpr, OFF64: gl.constexpr):
+    """``cp.async`` of one tile's key and value code words (rows ``slot``) into one stage, as one commit group."""
+    s = gl.convert_layout(slot, gl.SliceLayout(1, ROWS))
+    if OFF64:
+        s = s.to(gl.int64)
+    s2 = gl.expand_dims(s, 1)
+    w2 = gl.expand_dims(offs_w, 0)
+    async_copy.async_copy_global_to_shared(k_dst, K_WORDS + s2 * stride_kws + kvh * stride_kwh + w2)
+    async_copy.async_copy_global_to_shared(v_dst, V_WORDS + s2 * stride_vws + kvh * stride_vwh + w2)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+                 stride_vss, stride_vsh, stride_vzs, stride_vzh, OFF64: gl.constexpr):
+    """One tile's key/value scales and zeros (fp16, the slot vector's layout). Tokens outside ``valid`` read slot 0
+    (any bits: their score is -inf) and get value scale and zero 0 (their ``p*s`` and ``p*z`` must be 0)."""
+    if OFF64:
+        slot = slot.to(gl.int64)
+    return (gl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh),
+            gl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh),
+            gl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=valid, other=0.0),
+            gl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=valid, other=0.0))
+
+
+@gluon.jit
+def _decode_rows_async_kernel(
+    QN,
+    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
+    K_BF16, V_BF16,
+    KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
+    PART_O, PART_LSE, NUM_SPLITS, NUM_EXACT,
+    parts, exact_splits,
+    stride_qnb, stride_qnh,
+    stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+    stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    GQA: gl.constexpr, BLOCK_H: gl.constexpr, OFF64: gl.constexpr, PER_SEQ_EXACT: gl.constexpr,
+):
+    D: gl.constexpr = 128
+    W: gl.constexpr = D // 8
+    D4: gl.constexpr = D // 4
+    BN: gl.constexpr = 128
+    NB: gl.constexpr = 32
+    OFF: gl.constexpr = 1024.0
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    ROWS: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0])  # 16 bytes of a row per lane
+    VEC: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    EXACT: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
+    RING: gl.constexpr = gl.SwizzledSharedLayout(8, 4, 2, [1, 0])
+    TILE: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    COL: gl.constexpr = gl.SliceLayout(0, MMA)
+    ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    num_splits, num_exact = _counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT)
+    offs_h = gl.arange(0, BLOCK_H, layout=COL)
+    mask_h = offs_h < GQA
+    heads = kvh * GQA + offs_h
+    if split < num_splits:
+        # ---------------- INT2 split ----------------
+        kv_start, lo, hi = _part(KV_INDPTR, b, split, num_splits, BN)
+        offs_t = gl.arange(0, BN, layout=VEC)
+        offs_w = gl.arange(0, W, layout=gl.SliceLayout(0, ROWS))
+        k_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
+        v_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
+        # first tile in flight before the query planes are read
+        valid = lo + offs_t < hi
+        slot = gl.load(KV_INDICES + kv_start + lo + offs_t, mask=valid, other=0)
+        _issue_tile(K_WORDS, V_WORDS, k_ring.index(0), v_ring.index(0), slot, kvh, offs_w, stride_kws, stride_kwh,
+                    stride_vws, stride_vwh, ROWS, OFF64)
+        ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss, stride_ksh,
+                                              stride_kzs, stride_kzh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
+                                              OFF64)
+        nxt = lo + BN + offs_t
+        slot_next = gl.load(KV_INDICES + kv_start + nxt, mask=nxt < hi, other=0)
+
+        # query planes [d/8, H] (plane j of word w's low byte: element 2w + j d/4, high byte: 2w + 1 + j d/4),
+        # planes 1-3 of each byte pre-divided by 4**j; sum(q') and the offset the magic codes add to each score
+        offs_qw = gl.arange(0, W, layout=gl.SliceLayout(1, B_OP))
+        offs_qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, B_OP))
+        qw = QN + b * stride_qnb + gl.expand_dims((kvh * GQA + offs_qh) * stride_qnh, 0) \
+            + 2 * gl.expand_dims(offs_qw, 1)
+        mq = gl.expand_dims(offs_qh < GQA, 0)
+        q0 = gl.load(qw + 0 * D4, mask=mq, other=0.0).to(gl.float16)
+        q1 = (gl.load(qw + 1 * D4, mask=mq, other=0.0) * 0.25).to(gl.float16)
+        q2 = (gl.load(qw + 2 * D4, mask=mq, other=0.0) * 0.0625).to(gl.float16)
+        q3 = (gl.load(qw + 3 * D4, mask=mq, other=0.0) * 0.015625).to(gl.float16)
+        q4 = gl.load(qw + 1 + 0 * D4, mask=mq, other=0.0).to(gl.float16)
+        q5 = (gl.load(qw + 1 + 1 * D4, mask=mq, other=0.0) * 0.25).to(gl.float16)
+        q6 = (gl.load(qw + 1 + 2 * D4, mask=mq, other=0.0) * 0.0625).to(gl.float16)
+        q7 = (gl.load(qw + 1 + 3 * D4, mask=mq, other=0.0) * 0.015625).to(gl.float16)
+        qsum = (q0.to(gl.float32) + q1.to(gl.float32) + q2.to(gl.float32) + q3.to(gl.float32)
+                + q4.to(gl.float32) + q5.to(gl.float32) + q6.to(gl.float32) + q7.to(gl.float32))
+        qoff = gl.convert_layout(gl.sum(qsum, 0), COL) * OFF
+        offs_d = gl.arange(0, D, layout=ROW)
+        q_rows = QN + b * stride_qnb + gl.expand_dims(heads * stride_qnh, 0)
+        qtot = gl.sum(gl.load(q_rows + gl.expand_dims(offs_d, 1), mask=gl.expand_dims(mask_h, 0), other=0.0), 0)
+        s_init = gl.zeros([BN, BLOCK_H], gl.float32, MMA) - gl.expand_dims(qoff, 0)
+        kz_q = gl.expand_dims(qtot, 0)
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, COL)
+        l_i = gl.zeros([BLOCK_H], gl.float32, COL)
+        pz = gl.zeros([BLOCK_H], gl.float32, COL)
+        a0 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+        a1 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+        a2 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+        a3 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+        a4 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+        a5 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+        a6 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+        a7 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+        offs_r = gl.arange(0, BN, layout=ROW)
+        stage = 0
+        for start in range(lo, hi, BN):
+            ks, kz, vs, vz = ks_n, kz_n, vs_n, vz_n
+            # the stage the next tile lands in was read by the iteration before: every lane is past those reads
+            gl.thread_barrier()
+            _issue_tile(K_WORDS, V_WORDS, k_ring.index(1 - stage), v_ring.index(1 - stage), slot_next, kvh, offs_w,
+                        stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
+            ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot_next,
+                                                  start + BN + offs_t < hi, kvh, stride_kss,
+                                                  stride_ksh, stride_kzs, stride_kzh, stride_vss, stride_vsh,
+                                                  stride_vzs, stride_vzh, OFF64)
+            far = start + 2 * BN + offs_t
+            slot_next = gl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
+            async_copy.wait_group(1)  # this tile's group has landed (the next one may still be in flight)
+            gl.thread_barrier()
+            # ---- scores: s = s_k (q'.c) + z_k sum(q'), online softmax over the tile
+            k0, k1, k2, k3, k4, k5, k6, k7 = _planes(k_ring.index(stage).load(A_OP))
+            qc = mma_v2(k0, q0, s_init)
+            qc = mma_v2(k1, q1, qc)
+            qc = mma_v2(k2, q2, qc)
+            qc = mma_v2(k3, q3, qc)
+            qc = mma_v2(k4, q4, qc)
+            qc = mma_v2(k5, q5, qc)
+            qc = mma_v2(k6, q6, qc)
+            qc = mma_v2(k7, q7, qc)
+            ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
+            kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
+            s = qc * ksf + kzf * kz_q
+            s = gl.where(gl.expand_dims(start + offs_r < hi, 1), s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 0))
+            l_i = l_i * alpha + gl.sum(p, 0)
+            m_i = m_new
+            # ---- values: sum_t (p_t s_t) c_t into the plane accumulators, sum_t p_t z_t into pz
+            vsf = gl.expand_dims(gl.convert_layout(vs, ROW).to(gl.float32), 1)
+            vzf = gl.expand_dims(gl.convert_layout(vz, ROW).to(gl.float32), 1)
+            ps = (p * vsf).to(gl.float16)
+            pz = pz * alpha + gl.sum(p * vzf, 0)
+            off_t = gl.expand_dims(OFF * gl.sum(ps.to(gl.float32), 0), 0)
+            pb = gl.convert_layout(ps, B_OP)
+            al = gl.expand_dims(alpha, 0)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _planes(v_ring.index(stage).permute((1, 0)).load(A_OP))
+            zero = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+            a0 = a0 * al + (mma_v2(v0, pb, zero) - off_t)
+            a1 = a1 * al + (mma_v2(v1, pb, zero) - off_t)
+            a2 = a2 * al + (mma_v2(v2, pb, zero) - off_t)
+            a3 = a3 * al + (mma_v2(v3, pb, zero) - off_t)
+            a4 = a4 * al + (mma_v2(v4, pb, zero) - off_t)
+            a5 = a5 * al + (mma_v2(v5, pb, zero) - off_t)
+            a6 = a6 * al + (mma_v2(v6, pb, zero) - off_t)
+            a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
+            stage = 1 - stage
+        async_copy.wait_group(0)  # nothing left in flight when the program ends
+        inv_l, lse = _finish(m_i, l_i)
+        il = gl.expand_dims(inv_l, 0)
+        zt = gl.expand_dims(pz * inv_l, 0)
+        offs_ow = gl.arange(0, W, layout=ROW)
+        o_rows = PART_O + b * stride_pob + gl.expand_dims(heads * stride_poh, 0) + split * stride_pos \
+            + 2 * gl.expand_dims(offs_ow, 1)
+        mh = gl.expand_dims(mask_h, 0)
+        gl.store(o_rows + 0 * D4, a0 * il + zt, mask=mh)
+        gl.store(o_rows + 1 * D4, a1 * (il * 0.25) + zt, mask=mh)
+        gl.store(o_rows + 2 * D4, a2 * (il * 0.0625) + zt, mask=mh)
+        gl.store(o_rows + 3 * D4, a3 * (il * 0.015625) + zt, mask=mh)
+        gl.store(o_rows + 1 + 0 * D4, a4 * il + zt, mask=mh)
+        gl.store(o_rows + 1 + 1 * D4, a5 * (il * 0.25) + zt, mask=mh)
+        gl.store(o_rows + 1 + 2 * D4, a6 * (il * 0.0625) + zt, mask=mh)
+        gl.store(o_rows + 1 + 3 * D4, a7 * (il * 0.015625) + zt, mask=mh)
+        gl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+    elif split < num_splits + num_exact:
+        # ---------------- exact (BF16) program: rows x heads, natural element order ----------------
+        bf_start, bf_lo, bf_hi = _part(BF16_INDPTR, b, split - num_splits, num_exact, NB)
+        k_tile = gl.allocate_shared_memory(gl.float16, [NB, D], TILE)
+        v_tile = gl.allocate_shared_memory(gl.bfloat16, [NB, D], TILE)
+        offs_qd = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
+        offs_qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, B_OP))
+        qn = gl.load(QN + b * stride_qnb + gl.expand_dims((kvh * GQA + offs_qh) * stride_qnh, 0)
+                     + gl.expand_dims(offs_qd, 1), mask=gl.expand_dims(offs_qh < GQA, 0), other=0.0).to(gl.float16)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, COL)
+        l_i = gl.zeros([BLOCK_H], gl.float32, COL)
+        acc = gl.zeros([D, BLOCK_H], gl.float32, MMA)  # o'^T
+        offs_e = gl.arange(0, NB, layout=gl.SliceLayout(1, EXACT))
+        offs_ed = gl.arange(0, D, layout=gl.SliceLayout(0, EXACT))
+        offs_er = gl.arange(0, NB, layout=ROW)
+        for start in range(bf_lo, bf_hi, NB):
+            mask_e = start + offs_e < bf_hi
+            slot = gl.load(BF16_INDICES + bf_start + start + offs_e, mask=mask_e, other=0).to(gl.int64)
+            me = gl.expand_dims(mask_e, 1)
+            kb = gl.load(K_BF16 + gl.expand_dims(slot * stride_kbs + kvh * stride_kbh, 1) + gl.expand_dims(offs_ed, 0),
+                         mask=me, other=0.0)
+            vb = gl.load(V_BF16 + gl.expand_dims(slot * stride_vbs + kvh * stride_vbh, 1) + gl.expand_dims(offs_ed, 0),
+                         mask=me, other=0.0)
+            gl.thread_barrier()  # the tiles' previous contents are read
+            k_tile.store(kb.to(gl.float16))
+            v_tile.store(vb)
+            gl.thread_barrier()
+            s = mma_v2(k_tile.load(A_OP), qn, gl.zeros([NB, BLOCK_H], gl.float32, MMA))
+            s = gl.where(gl.expand_dims(start + offs_er < bf_hi, 1), s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 0))
+            l_i = l_i * alpha + gl.sum(p, 0)
+            pv = gl.convert_layout(p.to(gl.bfloat16), B_OP)
+            acc = mma_v2(v_tile.permute((1, 0)).load(A_OP), pv, acc * gl.expand_dims(alpha, 0))
+            m_i = m_new
+        inv_l, lse = _finish(m_i, l_i)
+        offs_od = gl.arange(0, D, layout=ROW)
+        gl.store(PART_O + b * stride_pob + gl.expand_dims(heads * stride_poh, 0) + split * stride_pos
+                 + gl.expand_dims(offs_od, 1), acc * gl.expand_dims(inv_l, 0), mask=gl.expand_dims(mask_h, 0))
+        gl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+
+
+def split_kernel():
+    """The Gluon kernel (imported with this module: CUDA launches only)."""
+    return _decode_rows_async_kernel
