@@ -272,13 +272,14 @@ off since (slower, and level)."""
 STEP_VARIANTS_ASYNC = [
     ("default", {}),
     ("async tiles", dict(async_tiles=True)),
+    ("async tiles, 3 stages", dict(async_tiles=True, num_stages=3)),
     ("async tiles, no register cap", dict(async_tiles=True, max_registers=0)),
-    ("async tiles, maxnreg 168, 1584 programs", dict(async_tiles=True, max_registers=168, min_programs=1584)),
 ]
 """``--variants --set async``: the Gluon split kernel (:mod:`oscar_kernels.decode_async`: the next tile's code words
 copied into shared memory with ``cp.async`` while a tile computes, its scales loaded a tile ahead) against the
-Triton one, with the default register cap (168 from 2048 programs on), none, and 168 with 12 programs per SM at
-small batches. An ``ncu`` source profile of the Triton kernel (bs1/100k and bs50/100k, H200) put ~30% of the warps'
+Triton one: two shared-memory stages (one tile in flight) or three, with the default register cap (168 from 2048
+programs on) or none. Its first run (commit 2cb4744) also had 168 registers with 1584 programs at small batches
+(slower at bs1: 43.0 µs at 100k) and read the junk "next" tile past each split's end (2 stages). An ``ncu`` source profile of the Triton kernel (bs1/100k and bs50/100k, H200) put ~30% of the warps'
 stall samples on the two loads each tile waits for (the key words before the scores, the value words after)."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
                 "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR, "async": STEP_VARIANTS_ASYNC}

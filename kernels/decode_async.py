@@ -31,8 +31,8 @@ BLOCK_N = 128
 """INT2 tokens per tile (the MMA M of the key product and K of the value product)."""
 BLOCK_NB = 32
 """Exact rows per tile of an exact program."""
-STAGES = gl.constexpr(2)
-"""Shared-memory stages of the INT2 tiles (the tile computed and the one in flight)."""
+STAGES = 2
+"""Shared-memory stages of the INT2 code words: the tile computed and ``STAGES - 1`` in flight (2 or 3)."""
 
 _F16_PAIR = 0x64006400  # two fp16 1024.0
 _WORD_PLANES = gl.constexpr(
@@ -47,10 +47,11 @@ _WORD_PLANES = gl.constexpr(
 planes ``1024 + 4**j c``, one LOP3 per two codes."""
 
 
-def usable(head_dim: int, block_n: int | None, block_nb: int | None, num_warps: int | None) -> bool:
+def usable(head_dim: int, block_n: int | None, block_nb: int | None, num_warps: int | None,
+           num_stages: int | None = None) -> bool:
     """Whether the kernel covers a launch of these parameters (the caller checks CUDA and the other variants)."""
     return head_dim == HEAD_DIM and block_n in (None, BLOCK_N) and block_nb in (None, BLOCK_NB) \
-        and num_warps in (None, 1)
+        and num_warps in (None, 1) and num_stages in (None, 2, 3)
 
 
 @gluon.jit
@@ -87,16 +88,18 @@ def _finish(m_i, l_i):
 
 
 @gluon.jit
-def _issue_tile(K_WORDS, V_WORDS, k_dst, v_dst, slot, kvh, offs_w, stride_kws, stride_kwh, stride_vws, stride_vwh,
-                ROWS: gl.constexpr, OFF64: gl.constexpr):
-    """``cp.async`` of one tile's key and value code words (rows ``slot``) into one stage, as one commit group."""
+def _issue_tile(K_WORDS, V_WORDS, k_dst, v_dst, slot, valid, kvh, offs_w, stride_kws, stride_kwh, stride_vws,
+                stride_vwh, ROWS: gl.constexpr, OFF64: gl.constexpr):
+    """``cp.async`` of one tile's key and value code words (rows ``slot``) into one stage, as one commit group;
+    tokens outside ``valid`` are zero-filled without a read (a split's last "next" tile costs no memory trip)."""
     s = gl.convert_layout(slot, gl.SliceLayout(1, ROWS))
     if OFF64:
         s = s.to(gl.int64)
     s2 = gl.expand_dims(s, 1)
     w2 = gl.expand_dims(offs_w, 0)
-    async_copy.async_copy_global_to_shared(k_dst, K_WORDS + s2 * stride_kws + kvh * stride_kwh + w2)
-    async_copy.async_copy_global_to_shared(v_dst, V_WORDS + s2 * stride_vws + kvh * stride_vwh + w2)
+    m = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, ROWS)), 1)
+    async_copy.async_copy_global_to_shared(k_dst, K_WORDS + s2 * stride_kws + kvh * stride_kwh + w2, mask=m)
+    async_copy.async_copy_global_to_shared(v_dst, V_WORDS + s2 * stride_vws + kvh * stride_vwh + w2, mask=m)
     async_copy.commit_group()
 
 
@@ -128,6 +131,7 @@ def _decode_rows_async_kernel(
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     GQA: gl.constexpr, BLOCK_H: gl.constexpr, OFF64: gl.constexpr, PER_SEQ_EXACT: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     D: gl.constexpr = 128
     W: gl.constexpr = D // 8
@@ -160,16 +164,23 @@ def _decode_rows_async_kernel(
         offs_w = gl.arange(0, W, layout=gl.SliceLayout(0, ROWS))
         k_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
         v_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
-        # first tile in flight before the query planes are read
+        # the first STAGES - 1 tiles in flight before the query planes are read; slots run STAGES tiles ahead of
+        # the tile computed, scales one
         valid = lo + offs_t < hi
         slot = gl.load(KV_INDICES + kv_start + lo + offs_t, mask=valid, other=0)
-        _issue_tile(K_WORDS, V_WORDS, k_ring.index(0), v_ring.index(0), slot, kvh, offs_w, stride_kws, stride_kwh,
-                    stride_vws, stride_vwh, ROWS, OFF64)
-        ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss, stride_ksh,
-                                              stride_kzs, stride_kzh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
-                                              OFF64)
-        nxt = lo + BN + offs_t
-        slot_next = gl.load(KV_INDICES + kv_start + nxt, mask=nxt < hi, other=0)
+        _issue_tile(K_WORDS, V_WORDS, k_ring.index(0), v_ring.index(0), slot, valid, kvh, offs_w, stride_kws,
+                    stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
+        ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss,
+                                              stride_ksh, stride_kzs, stride_kzh, stride_vss, stride_vsh, stride_vzs,
+                                              stride_vzh, OFF64)
+        pos1 = lo + BN + offs_t
+        slot1 = gl.load(KV_INDICES + kv_start + pos1, mask=pos1 < hi, other=0)  # tile 1
+        slot2 = slot1
+        if STAGES == 3:
+            _issue_tile(K_WORDS, V_WORDS, k_ring.index(1), v_ring.index(1), slot1, pos1 < hi, kvh, offs_w,
+                        stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
+            pos2 = lo + 2 * BN + offs_t
+            slot2 = gl.load(KV_INDICES + kv_start + pos2, mask=pos2 < hi, other=0)  # tile 2
 
         # query planes [d/8, H] (plane j of word w's low byte: element 2w + j d/4, high byte: 2w + 1 + j d/4),
         # planes 1-3 of each byte pre-divided by 4**j; sum(q') and the offset the magic codes add to each score
@@ -210,17 +221,25 @@ def _decode_rows_async_kernel(
         stage = 0
         for start in range(lo, hi, BN):
             ks, kz, vs, vz = ks_n, kz_n, vs_n, vz_n
-            # the stage the next tile lands in was read by the iteration before: every lane is past those reads
+            # the stage the tile STAGES - 1 ahead lands in was read by the iteration before: every lane is past it
             gl.thread_barrier()
-            _issue_tile(K_WORDS, V_WORDS, k_ring.index(1 - stage), v_ring.index(1 - stage), slot_next, kvh, offs_w,
+            ahead = start + (STAGES - 1) * BN + offs_t
+            into = (stage + STAGES - 1) % STAGES
+            _issue_tile(K_WORDS, V_WORDS, k_ring.index(into), v_ring.index(into), slot2, ahead < hi, kvh, offs_w,
                         stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
-            ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot_next,
-                                                  start + BN + offs_t < hi, kvh, stride_kss,
+            nxt = start + BN + offs_t
+            ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot1, nxt < hi, kvh, stride_kss,
                                                   stride_ksh, stride_kzs, stride_kzh, stride_vss, stride_vsh,
                                                   stride_vzs, stride_vzh, OFF64)
-            far = start + 2 * BN + offs_t
-            slot_next = gl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
-            async_copy.wait_group(1)  # this tile's group has landed (the next one may still be in flight)
+            far = start + STAGES * BN + offs_t
+            slot_far = gl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
+            if STAGES == 3:
+                slot1 = slot2
+                slot2 = slot_far
+            else:
+                slot1 = slot_far
+                slot2 = slot_far
+            async_copy.wait_group(STAGES - 1)  # this tile's group has landed (the later ones may be in flight)
             gl.thread_barrier()
             # ---- scores: s = s_k (q'.c) + z_k sum(q'), online softmax over the tile
             k0, k1, k2, k3, k4, k5, k6, k7 = _planes(k_ring.index(stage).load(A_OP))
@@ -259,7 +278,7 @@ def _decode_rows_async_kernel(
             a5 = a5 * al + (mma_v2(v5, pb, zero) - off_t)
             a6 = a6 * al + (mma_v2(v6, pb, zero) - off_t)
             a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
-            stage = 1 - stage
+            stage = (stage + 1) % STAGES
         async_copy.wait_group(0)  # nothing left in flight when the program ends
         inv_l, lse = _finish(m_i, l_i)
         il = gl.expand_dims(inv_l, 0)

@@ -1466,8 +1466,9 @@ def decode_int2(
             columns (``ROWS_PAIR``; with ``prefetch``, without ``pipeline``, ``peel``, ``early_v`` or ``l2_ahead``).
         pipeline: row-scale path: software-pipeline the split loop (``ROWS_PIPELINE``).
         async_tiles: row-scale path on CUDA: run :mod:`oscar_kernels.decode_async`'s split kernel (the next tile's
-            words copied into shared memory with ``cp.async`` while a tile computes) where it covers the launch
-            (:func:`~oscar_kernels.decode_async.usable`, no other row-scale variant asked for); ``ROWS_ASYNC``.
+            words copied into shared memory with ``cp.async`` while a tile computes; ``num_stages`` 2 or 3 sets its
+            shared-memory stages) where it covers the launch (:func:`~oscar_kernels.decode_async.usable`, no other
+            row-scale variant asked for); ``ROWS_ASYNC``.
         exact_quarters: row-scale path: the exact split reads and multiplies its rows a quarter of the head dim at a
             time (202 registers instead of 233 for the kernel at d = 128 with 32-row exact tiles, sink 64 / recent
             256: more resident programs; measured slower on an H200, commit f70fdbc: RESULTS.md).
@@ -1549,7 +1550,7 @@ def decode_int2(
                                                  or exact_quarters) and prefetch:
             from . import decode_async
 
-            if decode_async.usable(d, block_n, block_nb, num_warps):
+            if decode_async.usable(d, block_n, block_nb, num_warps, num_stages):
                 split_kernel = decode_async.split_kernel()
         if split_kernel is not _decode_rows_kernel:
             split_kernel[(bsz, hkv, parts)](
@@ -1567,7 +1568,7 @@ def decode_int2(
                 part_o.stride(0), part_o.stride(1), part_o.stride(2),
                 part_lse.stride(0), part_lse.stride(1),
                 GQA=gqa, BLOCK_H=max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa)), OFF64=cache.off64,
-                PER_SEQ_EXACT=per_seq_exact, num_warps=1,
+                PER_SEQ_EXACT=per_seq_exact, STAGES=num_stages or decode_async.STAGES, num_warps=1,
                 **({"maxnreg": max_registers} if max_registers else {}),
             )
         else:

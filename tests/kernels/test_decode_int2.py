@@ -403,7 +403,8 @@ def test_decode_async_tiles(layout, monkeypatch):
     for index in indexes:
         ref = decode_int2_ref(q, lists.cache, index)
         outs = []
-        for knobs in (dict(async_tiles=True), dict(async_tiles=False), dict(async_tiles=True, peel=True)):
+        for knobs in (dict(async_tiles=True), dict(async_tiles=False), dict(async_tiles=True, num_stages=3),
+                      dict(async_tiles=True, peel=True)):
             ws = decode_workspace(q.shape[0], q.shape[1], d, index.max_splits, DEVICE, index.exact_splits)
             for t in ws:
                 t.fill_(float("nan"))
