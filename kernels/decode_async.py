@@ -14,7 +14,8 @@ scales and zeros are loaded into registers one tile ahead, and its slots two til
 ``mma`` operand layout straight from shared memory (``ldmatrix``; the value words through a transposed view).
 
 Written in Gluon (``triton.experimental.gluon``, explicit layouts and shared memory), so it runs on CUDA only and
-only for the shapes it was written for (``d = 128``, 128-token tiles, one warp); :func:`usable` says when, and
+only for the shapes it was written for (``d = 128``, 128-token tiles, one warp) and with Triton 3.6's Gluon (the
+H200 image's; later releases renamed its ``cp.async`` API); :func:`usable` says when, and
 :func:`~oscar_kernels.decode_int2.decode_int2` falls back to the Triton kernel otherwise (and under the
 interpreter, which does not run Gluon).
 """
@@ -47,10 +48,16 @@ _WORD_PLANES = gl.constexpr(
 planes ``1024 + 4**j c``, one LOP3 per two codes."""
 
 
+def supported() -> bool:
+    """Whether this Triton's Gluon has the API the kernel is written in (Triton 3.6's: later releases renamed the
+    ``cp.async`` copy and the barrier)."""
+    return hasattr(async_copy, "async_copy_global_to_shared") and hasattr(gl, "thread_barrier")
+
+
 def usable(head_dim: int, block_n: int | None, block_nb: int | None, num_warps: int | None,
            num_stages: int | None = None) -> bool:
     """Whether the kernel covers a launch of these parameters (the caller checks CUDA and the other variants)."""
-    return head_dim == HEAD_DIM and block_n in (None, BLOCK_N) and block_nb in (None, BLOCK_NB) \
+    return supported() and head_dim == HEAD_DIM and block_n in (None, BLOCK_N) and block_nb in (None, BLOCK_NB) \
         and num_warps in (None, 1) and num_stages in (None, 2, 3)
 
 

@@ -204,7 +204,7 @@ same tensor-core work. Off: in the sm_90 SASS it cuts the loop from 1,683 to 1,5
 shuffles, take back most of it; 235 registers), and on an H200 (``bench_decode.py --variants --set pair``, commit
 4505b5b, per layer) it was slower everywhere: bs1/8k / 32k / 100k 19.9 / 23.8 / 46.0 µs against 18.6 / 22.4 /
 41.3, bs50/100k 1294 against 1246."""
-ROWS_ASYNC = False
+ROWS_ASYNC = True
 """Row-scale path on CUDA: the split kernel of :mod:`oscar_kernels.decode_async` (INT2 tiles staged through shared
 memory with ``cp.async`` one tile ahead) where it covers the launch."""
 ROWS_EARLY_V = False
