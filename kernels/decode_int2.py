@@ -1151,7 +1151,7 @@ def _decode_int2_merge_kernel(
 ):
     """The merge of one (sequence, query head), output columns ``[c * COLS, (c + 1) * COLS)``: partial weights from
     every LSE at once, the weighted sum of the partials ``SPLIT_CHUNK`` at a time (independent loads), then those
-    columns of ``o = o' @ R_V^T`` as fp32 multiply-sums. With ``COLS < d`` each of the ``d / COLS`` programs of a head
+    columns of ``o = o' @ R_V^T`` as fp32 multiply-sums (their ``R_V`` rows loaded first when ``COLS <= ROT_ROWS``). With ``COLS < d`` each of the ``d / COLS`` programs of a head
     merges the whole ``o'`` (the partials are read from L2 that many times) and rotates its share."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -1160,9 +1160,11 @@ def _decode_int2_merge_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     r_base = ROT_V + (kvh * stride_rh if ROT_PER_HEAD else 0)
     offs_r = tl.arange(0, ROT_ROWS)
-    if PDL:  # launched early: the rotation's rows (all of them when they are one piece) load before the wait
-        if ROT_ROWS == COLS:
-            r_pre = tl.load(r_base + (col + offs_r)[:, None] * stride_rr + offs_d[None, :] * stride_rc)
+    # the rotation's rows, when they are one piece, load first: their HBM trip overlaps the partials' L2 reads
+    # (once the layer's weights have passed through the L2, R_V comes from HBM every step)
+    if ROT_ROWS == COLS:
+        r_pre = tl.load(r_base + (col + offs_r)[:, None] * stride_rr + offs_d[None, :] * stride_rc)
+    if PDL:  # launched early: wait for the split kernel's partials
         tl.extra.cuda.gdc_wait()
     num_splits, num_exact = _split_counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT)
     total = num_splits + num_exact  # partials [0, n) INT2, [n, n + e) exact
@@ -1183,7 +1185,7 @@ def _decode_int2_merge_kernel(
         o += tl.sum(w_c[:, None] * tile, 0)
     o = o * tl.where(w_sum > 0.0, 1.0 / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0)
     for c in tl.static_range(0, COLS, ROT_ROWS):  # out[c] = sum_k o'[k] R_V[c, k]
-        if PDL and ROT_ROWS == COLS:
+        if ROT_ROWS == COLS:
             r = r_pre
         else:
             r = tl.load(r_base + (col + c + offs_r)[:, None] * stride_rr + offs_d[None, :] * stride_rc)
