@@ -27,6 +27,9 @@ Kernels, all launched without host synchronisation, so one call can be captured 
   pre-divided by ``4**j``; the offsets leave the key side through one per-head constant and the
   value side through each tile's ``sum(p*s)``, so per element the loop runs 0.56 integer instructions plus its
   share of the dot.
+  On CUDA with Triton 3.6 the same programs run as :mod:`oscar_kernels.decode_async`'s Gluon kernel (``async_tiles``,
+  default ``ROWS_ASYNC``): each next tile's code words travel global -> shared with ``cp.async`` while a tile
+  computes, so a tile no longer waits on HBM twice.
 * ``_decode_int2_kernel``, same grid and split rule, the general path (``g < d`` or ``d = 64``): quarter planes of
   bytes, codes dequantised per element when ``g < d``.
 * ``_decode_int2_merge_kernel``, grid ``(B, Hq, d / merge_cols)``: merges sequence ``b``'s ``n_b`` INT2 partials and
