@@ -9,9 +9,11 @@ What differs is where each tile's bytes wait. The Triton kernel loads a tile's k
 them to shared memory for the tensor-core operand layout, then does the same for the value words after the scores:
 every tile waits twice on HBM (an ``ncu`` source profile on an H200 put ~30% of the warps' stall samples on those
 two waits, at batch 1 and at batch 50). Here the key and value words of tile ``i + 1`` are copied global -> shared
-with ``cp.async`` while tile ``i`` is computed (two stages of ``2 x BLOCK_N x d/8`` int16, no registers held), its
-scales and zeros are loaded into registers one tile ahead, and its slots two tiles ahead. The tile's words reach the
-``mma`` operand layout straight from shared memory (``ldmatrix``; the value words through a transposed view).
+with ``cp.async`` while tile ``i`` is computed (``STAGES`` stages of ``2 x BLOCK_N x d/8`` int16, ``STAGES - 1``
+tiles in flight, no registers held), its scales and zeros are loaded into registers one tile ahead, and its slots
+``STAGES`` tiles ahead. The tile's words reach the ``mma`` operand layout straight from shared memory (``ldmatrix``;
+the value words through a transposed view). The scalar helpers (split counts, list parts, the split's finish) and
+the unpack are the Triton kernel's own ``@triton.jit`` functions.
 
 Written in Gluon (``triton.experimental.gluon``, explicit layouts and shared memory), so it runs on CUDA only and
 only for the shapes it was written for (``d = 128``, 128-token tiles, one warp) and with Triton 3.6's Gluon (the
@@ -26,6 +28,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from .decode_int2 import _finish_split, _list_part, _split_counts, _word_planes_magic
+
 HEAD_DIM = 128
 """The head dim the kernel's layouts are written for."""
 BLOCK_N = 128
@@ -33,19 +37,8 @@ BLOCK_N = 128
 BLOCK_NB = 32
 """Exact rows per tile of an exact program."""
 STAGES = 2
-"""Shared-memory stages of the INT2 code words: the tile computed and ``STAGES - 1`` in flight (2 or 3)."""
-
-_F16_PAIR = 0x64006400  # two fp16 1024.0
-_WORD_PLANES = gl.constexpr(
-    "{ .reg .b32 h; "
-    f"lop3.b32 $0, $8, 0x00030003, {_F16_PAIR:#x}, 0xea; lop3.b32 $1, $8, 0x000c000c, {_F16_PAIR:#x}, 0xea; "
-    f"lop3.b32 $2, $8, 0x00300030, {_F16_PAIR:#x}, 0xea; lop3.b32 $3, $8, 0x00c000c0, {_F16_PAIR:#x}, 0xea; "
-    "shr.b32 h, $8, 8; "
-    f"lop3.b32 $4, h, 0x00030003, {_F16_PAIR:#x}, 0xea; lop3.b32 $5, h, 0x000c000c, {_F16_PAIR:#x}, 0xea; "
-    f"lop3.b32 $6, h, 0x00300030, {_F16_PAIR:#x}, 0xea; lop3.b32 $7, h, 0x00c000c0, {_F16_PAIR:#x}, 0xea; }}"
-)
-"""The Triton kernel's unpack (:data:`oscar_kernels.decode_int2._WORD_PLANES`): int16 code words -> eight fp16
-planes ``1024 + 4**j c``, one LOP3 per two codes."""
+"""Shared-memory stages of the INT2 code words: the tile computed and ``STAGES - 1`` in flight (2 or 3; three
+measured slower on an H200, ``bench_decode.py --variants --set async``)."""
 
 
 def supported() -> bool:
@@ -59,39 +52,6 @@ def usable(head_dim: int, block_n: int | None, block_nb: int | None, num_warps: 
     """Whether the kernel covers a launch of these parameters (the caller checks CUDA and the other variants)."""
     return supported() and head_dim == HEAD_DIM and block_n in (None, BLOCK_N) and block_nb in (None, BLOCK_NB) \
         and num_warps in (None, 1) and num_stages in (None, 2, 3)
-
-
-@gluon.jit
-def _planes(x):
-    return gl.inline_asm_elementwise(_WORD_PLANES, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],
-                                     dtype=(gl.float16,) * 8, is_pure=True, pack=2)
-
-
-@gluon.jit
-def _counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT: gl.constexpr):
-    if PER_SEQ_EXACT:
-        e = gl.minimum(gl.maximum(gl.load(NUM_EXACT + b), 1), exact_splits)
-    else:
-        e = exact_splits
-    n = gl.minimum(gl.maximum(gl.load(NUM_SPLITS + b), 1), parts - e)
-    return n, e
-
-
-@gluon.jit
-def _part(INDPTR, b, part, parts, BLOCK: gl.constexpr):
-    start = gl.load(INDPTR + b)
-    length = gl.load(INDPTR + b + 1) - start
-    chunk = gl.cdiv(gl.cdiv(length, parts), BLOCK) * BLOCK
-    lo = part * chunk
-    return start, lo, gl.minimum(lo + chunk, length)
-
-
-@gluon.jit
-def _finish(m_i, l_i):
-    has = l_i > 0.0
-    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-    return inv_l, lse
 
 
 @gluon.jit
@@ -160,13 +120,13 @@ def _decode_rows_async_kernel(
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
-    num_splits, num_exact = _counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT)
+    num_splits, num_exact = _split_counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT)
     offs_h = gl.arange(0, BLOCK_H, layout=COL)
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
     if split < num_splits:
         # ---------------- INT2 split ----------------
-        kv_start, lo, hi = _part(KV_INDPTR, b, split, num_splits, BN)
+        kv_start, lo, hi = _list_part(KV_INDPTR, b, split, num_splits, BN)
         offs_t = gl.arange(0, BN, layout=VEC)
         offs_w = gl.arange(0, W, layout=gl.SliceLayout(0, ROWS))
         k_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
@@ -249,7 +209,7 @@ def _decode_rows_async_kernel(
             async_copy.wait_group(STAGES - 1)  # this tile's group has landed (the later ones may be in flight)
             gl.thread_barrier()
             # ---- scores: s = s_k (q'.c) + z_k sum(q'), online softmax over the tile
-            k0, k1, k2, k3, k4, k5, k6, k7 = _planes(k_ring.index(stage).load(A_OP))
+            k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(k_ring.index(stage).load(A_OP))
             qc = mma_v2(k0, q0, s_init)
             qc = mma_v2(k1, q1, qc)
             qc = mma_v2(k2, q2, qc)
@@ -275,7 +235,7 @@ def _decode_rows_async_kernel(
             off_t = gl.expand_dims(OFF * gl.sum(ps.to(gl.float32), 0), 0)
             pb = gl.convert_layout(ps, B_OP)
             al = gl.expand_dims(alpha, 0)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _planes(v_ring.index(stage).permute((1, 0)).load(A_OP))
+            v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(v_ring.index(stage).permute((1, 0)).load(A_OP))
             zero = gl.zeros([W, BLOCK_H], gl.float32, MMA)
             a0 = a0 * al + (mma_v2(v0, pb, zero) - off_t)
             a1 = a1 * al + (mma_v2(v1, pb, zero) - off_t)
@@ -287,7 +247,7 @@ def _decode_rows_async_kernel(
             a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
             stage = (stage + 1) % STAGES
         async_copy.wait_group(0)  # nothing left in flight when the program ends
-        inv_l, lse = _finish(m_i, l_i)
+        inv_l, lse = _finish_split(m_i, l_i)
         il = gl.expand_dims(inv_l, 0)
         zt = gl.expand_dims(pz * inv_l, 0)
         offs_ow = gl.arange(0, W, layout=ROW)
@@ -305,7 +265,7 @@ def _decode_rows_async_kernel(
         gl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
     elif split < num_splits + num_exact:
         # ---------------- exact (BF16) program: rows x heads, natural element order ----------------
-        bf_start, bf_lo, bf_hi = _part(BF16_INDPTR, b, split - num_splits, num_exact, NB)
+        bf_start, bf_lo, bf_hi = _list_part(BF16_INDPTR, b, split - num_splits, num_exact, NB)
         k_tile = gl.allocate_shared_memory(gl.float16, [NB, D], TILE)
         v_tile = gl.allocate_shared_memory(gl.bfloat16, [NB, D], TILE)
         offs_qd = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
@@ -339,7 +299,7 @@ def _decode_rows_async_kernel(
             pv = gl.convert_layout(p.to(gl.bfloat16), B_OP)
             acc = mma_v2(v_tile.permute((1, 0)).load(A_OP), pv, acc * gl.expand_dims(alpha, 0))
             m_i = m_new
-        inv_l, lse = _finish(m_i, l_i)
+        inv_l, lse = _finish_split(m_i, l_i)
         offs_od = gl.arange(0, D, layout=ROW)
         gl.store(PART_O + b * stride_pob + gl.expand_dims(heads * stride_poh, 0) + split * stride_pos
                  + gl.expand_dims(offs_od, 1), acc * gl.expand_dims(inv_l, 0), mask=gl.expand_dims(mask_h, 0))

@@ -1557,28 +1557,7 @@ def decode_int2(
 
             if decode_async.usable(d, block_n, block_nb, num_warps, num_stages):
                 split_kernel = decode_async.split_kernel()
-        if split_kernel is not _decode_rows_kernel:
-            split_kernel[(bsz, hkv, parts)](
-                q_rot,
-                kw, k.scale, k.zero, vw, v.scale, v.zero,
-                cache.k_bf16, cache.v_bf16,
-                index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
-                part_o, part_lse, index.num_splits, num_exact,
-                parts, index.exact_splits,
-                q_rot.stride(0), q_rot.stride(1),
-                kw.stride(0), kw.stride(1), k.scale.stride(0), k.scale.stride(1), k.zero.stride(0),
-                k.zero.stride(1), vw.stride(0), vw.stride(1), v.scale.stride(0), v.scale.stride(1),
-                v.zero.stride(0), v.zero.stride(1),
-                cache.k_bf16.stride(0), cache.k_bf16.stride(1), cache.v_bf16.stride(0), cache.v_bf16.stride(1),
-                part_o.stride(0), part_o.stride(1), part_o.stride(2),
-                part_lse.stride(0), part_lse.stride(1),
-                GQA=gqa, BLOCK_H=max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa)), OFF64=cache.off64,
-                PER_SEQ_EXACT=per_seq_exact, STAGES=num_stages or decode_async.STAGES, num_warps=1,
-                **({"maxnreg": max_registers} if max_registers else {}),
-            )
-        else:
-            _decode_rows_kernel[(bsz, hkv, parts)](
-                q_rot,
+        args = (q_rot,
                 kw, k.scale, k.zero, vw, v.scale, v.zero,
                 cache.k_bf16, cache.v_bf16,
                 index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
@@ -1589,15 +1568,24 @@ def decode_int2(
                 vw.stride(0), vw.stride(1), v.scale.stride(0), v.scale.stride(1), v.zero.stride(0), v.zero.stride(1),
                 cache.k_bf16.stride(0), cache.k_bf16.stride(1), cache.v_bf16.stride(0), cache.v_bf16.stride(1),
                 part_o.stride(0), part_o.stride(1), part_o.stride(2),
-                part_lse.stride(0), part_lse.stride(1),
-                GQA=gqa, BLOCK_H=max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa)), HEAD_DIM=d,
+                part_lse.stride(0), part_lse.stride(1))
+        block_h = max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa))
+        cap = {"maxnreg": max_registers} if max_registers else {}
+        if split_kernel is not _decode_rows_kernel:
+            split_kernel[(bsz, hkv, parts)](
+                *args, GQA=gqa, BLOCK_H=block_h, OFF64=cache.off64, PER_SEQ_EXACT=per_seq_exact,
+                STAGES=num_stages or decode_async.STAGES, num_warps=1, **cap,
+            )
+        else:
+            _decode_rows_kernel[(bsz, hkv, parts)](
+                *args, GQA=gqa, BLOCK_H=block_h, HEAD_DIM=d,
                 BLOCK_N=block_n or ROWS_BLOCK_N, BLOCK_NB=block_nb or BF16_BLOCK_N,
                 MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
                 BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
-                PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline), PDL=pdl, EXACT_QUARTERS=bool(exact_quarters),
-                L2_AHEAD=l2_ahead, PEEL=bool(peel) and not pipeline, PER_SEQ_EXACT=per_seq_exact, PAIR=bool(pair),
-                num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES, launch_pdl=pdl,
-                **({"maxnreg": max_registers} if max_registers else {}),
+                PREFETCH=bool(prefetch), EARLY_V=bool(early_v), PIPELINE=bool(pipeline), PDL=pdl,
+                EXACT_QUARTERS=bool(exact_quarters), L2_AHEAD=l2_ahead, PEEL=bool(peel) and not pipeline,
+                PER_SEQ_EXACT=per_seq_exact, PAIR=bool(pair),
+                num_warps=num_warps or ROWS_WARPS, num_stages=num_stages or ROWS_STAGES, launch_pdl=pdl, **cap,
             )
     else:
         if num_warps is None:
