@@ -91,15 +91,28 @@ def _ranges(c0, ext, first, max_len, SINK: tl.constexpr, RECENT: tl.constexpr, D
 @triton.jit
 def _plan_lengths_kernel(
     C0, EXT, START, KV_INDPTR, BF16_INDPTR, QO_INDPTR, NUM_SPLITS, NUM_EXACT,
+    REQ, LOC, REQ_IN, SEQ_IN, START_IN, LOC_IN, n_loc,
     batch, max_len, split_tokens, min_splits, min_split_tokens, max_splits, exact_splits,
     SINK: tl.constexpr, RECENT: tl.constexpr, DECODE: tl.constexpr, BLOCK_B: tl.constexpr,
     BALANCE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, MIN_ROWS: tl.constexpr,
+    HAS_START: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK_B)
     m = offs < batch
-    c0 = tl.load(C0 + offs, mask=m, other=0)
+    if DECODE:  # the step's inputs into the plan's buffers here: one launch instead of five copies
+        tl.store(REQ + offs, tl.load(REQ_IN + offs, mask=m, other=0).to(tl.int64), mask=m)
+        c0 = tl.load(SEQ_IN + offs, mask=m, other=1).to(tl.int32) - 1  # seq_lens counts the new token
+        tl.store(C0 + offs, c0, mask=m)
+        if HAS_START:
+            first = tl.load(START_IN + offs, mask=m, other=0).to(tl.int32)
+        else:
+            first = tl.zeros([BLOCK_B], tl.int32)
+        tl.store(START + offs, first, mask=m)
+        tl.store(LOC + offs, tl.load(LOC_IN + offs, mask=offs < n_loc, other=0).to(tl.int64), mask=m)
+    else:
+        c0 = tl.load(C0 + offs, mask=m, other=0)
+        first = tl.load(START + offs, mask=m, other=0)
     ext = tl.load(EXT + offs, mask=m, other=0)
-    first = tl.load(START + offs, mask=m, other=0)
     c1, sink_end, i2_hi, s_hi, r_lo, r_hi = _ranges(c0, ext, first, max_len, SINK, RECENT, DECODE)
     n_int2 = tl.where(m, i2_hi - sink_end, 0)
     n_ex = tl.where(m, (s_hi - first) + (r_hi - r_lo), 0)
@@ -220,31 +233,32 @@ class _Plan:
               balance: dict | None = None) -> None:
         decode = policy is not None
         b = self._buffers
-        b["req"][:bsz].copy_(req_pool_indices)
-        b["c0"][:bsz].copy_(c0)
-        if decode:
-            b["c0"][:bsz].sub_(1)  # seq_lens counts the new token
-        else:
-            b["ext"][:bsz].copy_(ext)
-        if start is None:
-            b["start"][:bsz].zero_()
-        else:
+        if start is not None:
             _check_len("start", start, bsz)
-            b["start"][:bsz].copy_(start)
-        b["loc"][:loc.shape[0]].copy_(loc)
+        if not decode:  # a decode step's inputs reach the buffers inside the lengths kernel
+            b["req"][:bsz].copy_(req_pool_indices)
+            b["c0"][:bsz].copy_(c0)
+            b["ext"][:bsz].copy_(ext)
+            if start is None:
+                b["start"][:bsz].zero_()
+            else:
+                b["start"][:bsz].copy_(start)
+            b["loc"][:loc.shape[0]].copy_(loc)
         if bsz == 0:
             return
         pool = self.pool
         sp = (policy.split_tokens, policy.min_splits, policy.min_split_tokens, policy.max_splits) if decode \
             else (1, 1, 1, 1)
         balance = balance or {}
+        ins = (req_pool_indices, c0, b["start"] if start is None else start, loc, loc.shape[0]) if decode \
+            else (b["req"], b["c0"], b["start"], b["loc"], 0)  # extend: not read
         _plan_lengths_kernel[(1,)](
             b["c0"], b["ext"], b["start"], b["kv_indptr"], b["bf16_indptr"], b["qo_indptr"], b["num_splits"],
-            b["num_exact"], bsz, self.max_seq_len, *sp, balance.get("exact_splits", 1),
+            b["num_exact"], b["req"], b["loc"], *ins, bsz, self.max_seq_len, *sp, balance.get("exact_splits", 1),
             SINK=pool.sink, RECENT=pool.recent, DECODE=decode, BLOCK_B=triton.next_power_of_2(bsz),
             BALANCE=bool(balance), BLOCK_N=balance.get("block_n", ROWS_BLOCK_N),
             ROWS_PER_TILE=balance.get("rows_per_tile", EXACT_ROWS_PER_TILE),
-            MIN_ROWS=balance.get("min_rows", EXACT_SPLIT_ROWS),
+            MIN_ROWS=balance.get("min_rows", EXACT_SPLIT_ROWS), HAS_START=start is not None,
         )
         _plan_fill_kernel[(bsz, triton.cdiv(self.max_seq_len, FILL_PART))](
             req_to_token, req_to_token.stride(0), b["req"], b["c0"], b["ext"], b["start"],
@@ -372,14 +386,24 @@ class DecodePlan(_Plan):
             req_to_token: int32 ``[R, max_ctx]`` slots of each request's positions (the new token's included).
             req_pool_indices: int32/int64 ``[B]`` request of each sequence.
             seq_lens: int32/int64 ``[B]`` tokens per sequence INCLUDING the new one (at position ``seq_len - 1``).
-            out_cache_loc: int32/int64 ``[B]`` INT2 slot of each new token.
+            out_cache_loc: int32/int64 ``[B]`` INT2 slot of each new token, or its first ``n < B`` entries (a
+                CUDA-graph replay's live batch): the rest are slot 0, the padding slot.
             start: optional int32/int64 ``[B]`` first real position (default 0).
             max_seq_len: optional host bound of this batch's ``seq_lens`` (sets the occupancy part of the split
                 policy; default the construction's).
+
+        Two launches: the lengths kernel copies the inputs into the plan's buffers and counts each sequence's lists
+        and programs, the fill kernel writes the lists.
         """
         bsz = _check_batch(req_to_token, req_pool_indices, self.max_batch)
         _check_len("seq_lens", seq_lens, bsz)
-        _check_len("out_cache_loc", out_cache_loc, bsz)
+        if out_cache_loc.dim() != 1 or out_cache_loc.shape[0] > bsz:
+            raise ValueError(f"out_cache_loc must be int32/int64 [<= {bsz}], got {out_cache_loc.dtype} "
+                             f"{tuple(out_cache_loc.shape)}")
+        _check_len("out_cache_loc", out_cache_loc, out_cache_loc.shape[0])
+        dev = self.pool.device
+        req_pool_indices, seq_lens, out_cache_loc = (t.to(dev) for t in (req_pool_indices, seq_lens, out_cache_loc))
+        start = None if start is None else start.to(dev)
         bound = self._int2_len(min(max_seq_len or self.max_seq_len, self.max_seq_len))
         grid = self._bounds[max(bsz, 1)]
         policy = split_policy(bsz, self.pool.kv_heads, bound, self.row_kernel, grid, **self._policy_args)

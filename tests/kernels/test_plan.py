@@ -337,6 +337,39 @@ def test_workspace_bytes_and_limits():
         DecodePlan(eng.pool, 1, 8, q_heads=8).run(0, *(torch.zeros(1, h, 64, device=DEVICE) for h in (8, 2, 2)))
 
 
+def test_decode_plan_copies_its_inputs_in_the_lengths_kernel():
+    """A decode plan's inputs reach its buffers inside the lengths kernel (no eager copies): over stale buffers, the
+    request rows (int32 or int64), ``seq_lens - 1``, the start (0 without one) and the new tokens' slots, a shorter
+    ``out_cache_loc`` (a graph replay's live rows) padded with slot 0; the lists then match the reference. A longer
+    ``out_cache_loc`` is refused."""
+    eng = Engine(QuantScheme(group=32, sink=2, recent=4), 2, 4, 64, reqs=3, max_ctx=24, seed=17)
+    dec = DecodePlan(eng.pool, 3, 24, q_heads=8, **SPLITS)
+    b = dec._buffers
+    for name in ("req", "c0", "start", "loc"):
+        b[name].fill_(77)
+    i = lambda x, dt=torch.int64: torch.tensor(x, device=DEVICE, dtype=dt)  # noqa: E731
+    reqs, n = [2, 0, 1], [9, 24, 5]
+    live = torch.stack([eng.req_to_token[r, x - 1] for r, x in zip(reqs[:2], n[:2], strict=True)])
+    dec.plan(eng.req_to_token, i(reqs, torch.int32), i(n, torch.int32), live.to(torch.int32))
+    assert b["req"][:3].tolist() == reqs and b["c0"][:3].tolist() == [x - 1 for x in n]
+    assert b["start"][:3].tolist() == [0, 0, 0] and b["loc"][:3].tolist() == [*live.tolist(), 0]
+    ref = plan_lists_ref(eng.req_to_token, i(reqs), i([x - 1 for x in n]), i([1, 1, 1]), i([0, 0, 0]),
+                         eng.scheme.sink, eng.scheme.recent, decode=True)
+    assert torch.equal(dec.index.kv_indptr.long(), ref["kv_indptr"].long())
+    got = dec.index.kv_indices[: int(ref["kv_indptr"][-1])]
+    assert torch.equal(got.long(), ref["kv_indices"].long())
+    loc = torch.stack([eng.req_to_token[r, x - 1] for r, x in zip([1, 2], [7, 11], strict=True)])
+    dec.plan(eng.req_to_token, i([1, 2]), i([7, 11]), loc, start=i([0, 3]))  # int64, with a start
+    assert b["req"][:2].tolist() == [1, 2] and b["c0"][:2].tolist() == [6, 10] and b["start"][:2].tolist() == [0, 3]
+    assert b["loc"][:2].tolist() == loc.tolist()
+    ref = plan_lists_ref(eng.req_to_token, i([1, 2]), i([6, 10]), i([1, 1]), i([0, 3]), eng.scheme.sink,
+                         eng.scheme.recent, decode=True)
+    for name in ("kv_indptr", "bf16_indptr"):
+        assert torch.equal(getattr(dec.index, name).long(), ref[name].long())
+    with pytest.raises(ValueError, match="out_cache_loc"):
+        dec.plan(eng.req_to_token, i([0]), i([3]), i([4, 5]))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_decode_run_cuda_graph_replay_over_changing_lengths():
     """DecodePlan.run captured once; plan() re-run eagerly with new lengths before each replay; no host sync in

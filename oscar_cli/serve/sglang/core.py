@@ -130,7 +130,6 @@ class OscarAttention:
         self.max_seq_len = req_to_token.shape[1]
         self.decode = DecodePlan(kv.pool, max_batch, self.max_seq_len, q_heads=q_heads, sm_scale=sm_scale)
         self.extend = ExtendPlan(kv.pool, max_batch, max_tokens, self.max_seq_len, sm_scale=sm_scale)
-        self._loc = torch.zeros(max_batch, dtype=torch.int64, device=kv.device)
         self._restore: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._capture_end: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -144,14 +143,9 @@ class OscarAttention:
     def plan_decode(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         """One decode step. ``req_pool_indices``/``seq_lens`` ``[B]`` (CUDA-graph padded rows: request 0, length 1);
         ``out_cache_loc`` ``[B]`` or shorter (a graph replay passes the live batch's slots: padded with slot 0)."""
-        bsz = req_pool_indices.shape[0]
-        n = out_cache_loc.shape[0]
-        loc = self._loc[:bsz]
-        loc[:n].copy_(out_cache_loc)
-        loc[n:].zero_()
-        self.kv.table.clear_slots(loc)
+        self.kv.table.clear_slots(out_cache_loc)
         self.kv.table.mark()
-        self.decode.plan(self.req_to_token, req_pool_indices, seq_lens, loc)
+        self.decode.plan(self.req_to_token, req_pool_indices, seq_lens, out_cache_loc)  # pads the rest with slot 0
 
     def forward_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
