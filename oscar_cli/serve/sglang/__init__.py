@@ -42,8 +42,9 @@ plans a batch through ``DecodePlan.plan`` / ``ExtendPlan.plan`` (index lists fil
 tokens' INT2 codes and exact rows, then attention). CUDA graphs as 0.5.17 drives them: decode ``full`` graphs call
 ``init_cuda_graph_state(max_bs, max_num_tokens)`` once, ``get_cuda_graph_seq_len_fill_value()`` (1) for padded
 rows, ``init_forward_metadata_out_graph(batch, in_capture=True)`` before each capture and
-``init_forward_metadata_out_graph(view)`` eagerly before every replay (padded request rows, live ``out_cache_loc``
-padded here with slot 0), ``init_forward_metadata_in_graph`` (base no-op) inside; the graph holds
+``init_forward_metadata_out_graph(view)`` eagerly before every replay (padded request rows, live ``out_cache_loc``,
+which ``DecodePlan.plan`` pads with slot 0 inside its lengths kernel: three eager launches per step, the anchor
+table's slot clear and the plan's two), ``init_forward_metadata_in_graph`` (base no-op) inside; the graph holds
 ``DecodePlan.run``, which touches only plan and pool buffers. Prefill ``breakable`` graphs run attention eagerly
 between graph segments and call ``init_forward_metadata`` with the live batch; ``full`` prefill graphs are refused.
 
