@@ -1,7 +1,7 @@
 """Decode on Qwen3-8B shapes: INT2 (``DecodePlan``) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
 
 Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge | --variants
-[--set l2|write-peel|one-wave|balance|pair] [--recent N]] [--results benchmarks/RESULTS.md]
+[--set l2|write-peel|one-wave|balance|pair|async] [--recent N]] [--results benchmarks/RESULTS.md]
 Prints a table (median µs, GB/s on the bytes the attention reads, ratio to the best BF16 backend measured in the same
 run, fraction of the copy bandwidth measured in the same run) and appends it to RESULTS.md with the date, device,
 commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is planned by ``DecodePlan`` over an
@@ -375,7 +375,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "write-peel: unmasked whole tiles, the K/V write with its whole rotation at once, the merge "
                          "chunk; one-wave: split and exact program counts that fill one wave at bs1/100k; "
                          "balance: exact programs per sequence from the context; pair: two half tiles side by side "
-                         "and the 256-partial merge)")
+                         "and the 256-partial merge; async: the Gluon split kernel with its tiles through shared "
+                         "memory by cp.async, two or three stages)")
     ap.add_argument("--l2", action="store_true", help="with --variants: the same as --set l2")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,
