@@ -4,7 +4,14 @@ Usage: ncu --clock-control none --section SpeedOfLight --section Occupancy --sec
     --section SchedulerStats --section LaunchStats -k regex:_decode_rows_kernel --launch-skip 1 --launch-count 1 \
     python benchmarks/profile_decode.py --bs 16 --ctx 131072
 Runs the attention twice (the first compiles); ``--run`` profiles ``DecodePlan.run`` (the new token's writes too);
-extra ``--opt key=value`` pairs go to ``decode_int2``.
+extra ``--opt key=value`` pairs go to ``decode_int2`` (with ``--run``: to ``DecodePlan``, e.g. ``async_tiles=False``
+for the Triton split kernel where the Gluon one is the default: then profile ``regex:_decode_rows_kernel``, else
+``regex:_decode_rows_async_kernel``).
+
+Where the warps wait, per SASS instruction (the stall reasons the ``ncu`` RESULTS.md readings quote):
+``ncu --clock-control none --set full --import-source no -k regex:_decode_rows --launch-skip 1 --launch-count 1
+-o rep python benchmarks/profile_decode.py --run --bs 50 --ctx 100000``, then
+``ncu -i rep.ncu-rep --page source --csv --print-source sass`` (one row per instruction, ``stall_*`` sample columns).
 """
 
 from __future__ import annotations
