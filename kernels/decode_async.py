@@ -28,13 +28,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .decode_int2 import _finish_split, _list_part, _split_counts, _word_planes_magic
+from .decode_int2 import F16_MAGIC, _finish_split, _list_part, _split_counts, _store_planes, _word_planes_magic
 
-HEAD_DIM = 128
+HEAD_DIM = gl.constexpr(128)
 """The head dim the kernel's layouts are written for."""
-BLOCK_N = 128
+BLOCK_N = gl.constexpr(128)
 """INT2 tokens per tile (the MMA M of the key product and K of the value product)."""
-BLOCK_NB = 32
+BLOCK_NB = gl.constexpr(32)
 """Exact rows per tile of an exact program."""
 STAGES = 2
 """Shared-memory stages of the INT2 code words: the tile computed and ``STAGES - 1`` in flight (2 or 3; three
@@ -50,7 +50,8 @@ def supported() -> bool:
 def usable(head_dim: int, block_n: int | None, block_nb: int | None, num_warps: int | None,
            num_stages: int | None = None) -> bool:
     """Whether the kernel covers a launch of these parameters (the caller checks CUDA and the other variants)."""
-    return supported() and head_dim == HEAD_DIM and block_n in (None, BLOCK_N) and block_nb in (None, BLOCK_NB) \
+    return supported() and head_dim == HEAD_DIM.value and block_n in (None, BLOCK_N.value) \
+        and block_nb in (None, BLOCK_NB.value) \
         and num_warps in (None, 1) and num_stages in (None, 2, 3)
 
 
@@ -100,12 +101,15 @@ def _decode_rows_async_kernel(
     GQA: gl.constexpr, BLOCK_H: gl.constexpr, OFF64: gl.constexpr, PER_SEQ_EXACT: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    D: gl.constexpr = 128
+    D: gl.constexpr = HEAD_DIM
     W: gl.constexpr = D // 8
     D4: gl.constexpr = D // 4
-    BN: gl.constexpr = 128
-    NB: gl.constexpr = 32
-    OFF: gl.constexpr = 1024.0
+    BN: gl.constexpr = BLOCK_N
+    NB: gl.constexpr = BLOCK_NB
+    OFF: gl.constexpr = F16_MAGIC  # codes arrive as 1024 + 4**j c: query planes 1-3 divided by 4**j, as R1-R3
+    R1: gl.constexpr = 0.25
+    R2: gl.constexpr = 0.0625
+    R3: gl.constexpr = 0.015625
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -157,13 +161,13 @@ def _decode_rows_async_kernel(
             + 2 * gl.expand_dims(offs_qw, 1)
         mq = gl.expand_dims(offs_qh < GQA, 0)
         q0 = gl.load(qw + 0 * D4, mask=mq, other=0.0).to(gl.float16)
-        q1 = (gl.load(qw + 1 * D4, mask=mq, other=0.0) * 0.25).to(gl.float16)
-        q2 = (gl.load(qw + 2 * D4, mask=mq, other=0.0) * 0.0625).to(gl.float16)
-        q3 = (gl.load(qw + 3 * D4, mask=mq, other=0.0) * 0.015625).to(gl.float16)
+        q1 = (gl.load(qw + 1 * D4, mask=mq, other=0.0) * R1).to(gl.float16)
+        q2 = (gl.load(qw + 2 * D4, mask=mq, other=0.0) * R2).to(gl.float16)
+        q3 = (gl.load(qw + 3 * D4, mask=mq, other=0.0) * R3).to(gl.float16)
         q4 = gl.load(qw + 1 + 0 * D4, mask=mq, other=0.0).to(gl.float16)
-        q5 = (gl.load(qw + 1 + 1 * D4, mask=mq, other=0.0) * 0.25).to(gl.float16)
-        q6 = (gl.load(qw + 1 + 2 * D4, mask=mq, other=0.0) * 0.0625).to(gl.float16)
-        q7 = (gl.load(qw + 1 + 3 * D4, mask=mq, other=0.0) * 0.015625).to(gl.float16)
+        q5 = (gl.load(qw + 1 + 1 * D4, mask=mq, other=0.0) * R1).to(gl.float16)
+        q6 = (gl.load(qw + 1 + 2 * D4, mask=mq, other=0.0) * R2).to(gl.float16)
+        q7 = (gl.load(qw + 1 + 3 * D4, mask=mq, other=0.0) * R3).to(gl.float16)
         qsum = (q0.to(gl.float32) + q1.to(gl.float32) + q2.to(gl.float32) + q3.to(gl.float32)
                 + q4.to(gl.float32) + q5.to(gl.float32) + q6.to(gl.float32) + q7.to(gl.float32))
         qoff = gl.convert_layout(gl.sum(qsum, 0), COL) * OFF
@@ -254,14 +258,7 @@ def _decode_rows_async_kernel(
         o_rows = PART_O + b * stride_pob + gl.expand_dims(heads * stride_poh, 0) + split * stride_pos \
             + 2 * gl.expand_dims(offs_ow, 1)
         mh = gl.expand_dims(mask_h, 0)
-        gl.store(o_rows + 0 * D4, a0 * il + zt, mask=mh)
-        gl.store(o_rows + 1 * D4, a1 * (il * 0.25) + zt, mask=mh)
-        gl.store(o_rows + 2 * D4, a2 * (il * 0.0625) + zt, mask=mh)
-        gl.store(o_rows + 3 * D4, a3 * (il * 0.015625) + zt, mask=mh)
-        gl.store(o_rows + 1 + 0 * D4, a4 * il + zt, mask=mh)
-        gl.store(o_rows + 1 + 1 * D4, a5 * (il * 0.25) + zt, mask=mh)
-        gl.store(o_rows + 1 + 2 * D4, a6 * (il * 0.0625) + zt, mask=mh)
-        gl.store(o_rows + 1 + 3 * D4, a7 * (il * 0.015625) + zt, mask=mh)
+        _store_planes(o_rows, a0, a1, a2, a3, a4, a5, a6, a7, il, zt, mh, D4, R1, R2, R3)
         gl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
     elif split < num_splits + num_exact:
         # ---------------- exact (BF16) program: rows x heads, natural element order ----------------
@@ -304,8 +301,3 @@ def _decode_rows_async_kernel(
         gl.store(PART_O + b * stride_pob + gl.expand_dims(heads * stride_poh, 0) + split * stride_pos
                  + gl.expand_dims(offs_od, 1), acc * gl.expand_dims(inv_l, 0), mask=gl.expand_dims(mask_h, 0))
         gl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
-
-
-def split_kernel():
-    """The Gluon kernel (imported with this module: CUDA launches only)."""
-    return _decode_rows_async_kernel

@@ -550,6 +550,23 @@ def _query_planes(q_rows, mq, HEAD_DIM: tl.constexpr, R1: tl.constexpr, R2: tl.c
 
 
 @triton.jit
+def _store_planes(o_rows, a0, a1, a2, a3, a4, a5, a6, a7, il, zt, mh, D4: tl.constexpr, R1: tl.constexpr,
+                  R2: tl.constexpr, R3: tl.constexpr):
+    """A row-scale split's partial output from its eight ``o'^T`` plane accumulators ``[d/8, H]`` (``o_rows``: the
+    pointers of plane 0's elements ``2w``): plane ``j`` of the low / high byte holds elements ``2w + j d/4`` /
+    ``2w + 1 + j d/4``, planes 1-3 scaled back by ``R1``-``R3``; each times ``il`` (1 / l) plus ``zt``
+    (``sum(p*z) / l``), under the column mask ``mh``."""
+    tl.store(o_rows + 0 * D4, a0 * il + zt, mask=mh)
+    tl.store(o_rows + 1 * D4, a1 * (il * R1) + zt, mask=mh)
+    tl.store(o_rows + 2 * D4, a2 * (il * R2) + zt, mask=mh)
+    tl.store(o_rows + 3 * D4, a3 * (il * R3) + zt, mask=mh)
+    tl.store(o_rows + 1 + 0 * D4, a4 * il + zt, mask=mh)
+    tl.store(o_rows + 1 + 1 * D4, a5 * (il * R1) + zt, mask=mh)
+    tl.store(o_rows + 1 + 2 * D4, a6 * (il * R2) + zt, mask=mh)
+    tl.store(o_rows + 1 + 3 * D4, a7 * (il * R3) + zt, mask=mh)
+
+
+@triton.jit
 def _split_state(W: tl.constexpr, H: tl.constexpr):
     """A row-scale split's empty online-softmax state over ``H`` columns: running max (-inf), sum, ``sum(p*z)``, and
     the eight ``o'^T`` plane accumulators ``[W, H]`` (code-word rows x columns)."""
@@ -714,14 +731,10 @@ def _pair_split(QN, K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, KV_INDPT
     zt = (tl.sum(tl.reshape(pz, (2, BLOCK_H)) * w2, 0) * inv_l)[None, :]
     o_rows = PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + 2 * offs_w[:, None]
     mh = mask_h[None, :]
-    tl.store(o_rows + 0 * D4, _pair_halves(a0, w2, W, BLOCK_H) * il + zt, mask=mh)
-    tl.store(o_rows + 1 * D4, _pair_halves(a1, w2, W, BLOCK_H) * (il * R1) + zt, mask=mh)
-    tl.store(o_rows + 2 * D4, _pair_halves(a2, w2, W, BLOCK_H) * (il * R2) + zt, mask=mh)
-    tl.store(o_rows + 3 * D4, _pair_halves(a3, w2, W, BLOCK_H) * (il * R3) + zt, mask=mh)
-    tl.store(o_rows + 1 + 0 * D4, _pair_halves(a4, w2, W, BLOCK_H) * il + zt, mask=mh)
-    tl.store(o_rows + 1 + 1 * D4, _pair_halves(a5, w2, W, BLOCK_H) * (il * R1) + zt, mask=mh)
-    tl.store(o_rows + 1 + 2 * D4, _pair_halves(a6, w2, W, BLOCK_H) * (il * R2) + zt, mask=mh)
-    tl.store(o_rows + 1 + 3 * D4, _pair_halves(a7, w2, W, BLOCK_H) * (il * R3) + zt, mask=mh)
+    _store_planes(o_rows, _pair_halves(a0, w2, W, BLOCK_H), _pair_halves(a1, w2, W, BLOCK_H),
+                  _pair_halves(a2, w2, W, BLOCK_H), _pair_halves(a3, w2, W, BLOCK_H),
+                  _pair_halves(a4, w2, W, BLOCK_H), _pair_halves(a5, w2, W, BLOCK_H),
+                  _pair_halves(a6, w2, W, BLOCK_H), _pair_halves(a7, w2, W, BLOCK_H), il, zt, mh, D4, R1, R2, R3)
     tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
 
 
@@ -843,14 +856,7 @@ def _decode_rows_kernel(
         zt = (pz * inv_l)[None, :]
         o_rows = PART_O + b * stride_pob + heads[None, :] * stride_poh + split * stride_pos + 2 * offs_w[:, None]
         mh = mask_h[None, :]
-        tl.store(o_rows + 0 * D4, a0 * il + zt, mask=mh)
-        tl.store(o_rows + 1 * D4, a1 * (il * R1) + zt, mask=mh)
-        tl.store(o_rows + 2 * D4, a2 * (il * R2) + zt, mask=mh)
-        tl.store(o_rows + 3 * D4, a3 * (il * R3) + zt, mask=mh)
-        tl.store(o_rows + 1 + 0 * D4, a4 * il + zt, mask=mh)
-        tl.store(o_rows + 1 + 1 * D4, a5 * (il * R1) + zt, mask=mh)
-        tl.store(o_rows + 1 + 2 * D4, a6 * (il * R2) + zt, mask=mh)
-        tl.store(o_rows + 1 + 3 * D4, a7 * (il * R3) + zt, mask=mh)
+        _store_planes(o_rows, a0, a1, a2, a3, a4, a5, a6, a7, il, zt, mh, D4, R1, R2, R3)
         tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
     elif split < num_splits + num_exact:
         # ---------------- exact (BF16) split: tokens x heads, natural element order ----------------
@@ -1550,13 +1556,12 @@ def decode_int2(
         if max_registers is None and bsz * hkv * max_splits >= ROWS_CAPPED_PROGRAMS:
             max_registers = ROWS_MAX_REGISTERS
         kw, vw = k.words, v.words
-        split_kernel = _decode_rows_kernel
-        if async_tiles and not fp32_dot and not (pair or peel or pipeline or early_v or l2_ahead or pdl
-                                                 or exact_quarters) and prefetch:
+        gluon = async_tiles and not fp32_dot and prefetch and not (pair or peel or pipeline or early_v or l2_ahead
+                                                                    or pdl or exact_quarters)
+        if gluon:
             from . import decode_async
 
-            if decode_async.usable(d, block_n, block_nb, num_warps, num_stages):
-                split_kernel = decode_async.split_kernel()
+            gluon = decode_async.usable(d, block_n, block_nb, num_warps, num_stages)
         args = (q_rot,
                 kw, k.scale, k.zero, vw, v.scale, v.zero,
                 cache.k_bf16, cache.v_bf16,
@@ -1571,8 +1576,8 @@ def decode_int2(
                 part_lse.stride(0), part_lse.stride(1))
         block_h = max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa))
         cap = {"maxnreg": max_registers} if max_registers else {}
-        if split_kernel is not _decode_rows_kernel:
-            split_kernel[(bsz, hkv, parts)](
+        if gluon:
+            decode_async._decode_rows_async_kernel[(bsz, hkv, parts)](
                 *args, GQA=gqa, BLOCK_H=block_h, OFF64=cache.off64, PER_SEQ_EXACT=per_seq_exact,
                 STAGES=num_stages or decode_async.STAGES, num_warps=1, **cap,
             )
