@@ -1,7 +1,7 @@
 """Decode on Qwen3-8B shapes: INT2 (``DecodePlan``) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
 
 Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge | --variants
-[--set l2|write-peel|one-wave|balance|pair|async|overlap] [--recent N]] [--results benchmarks/RESULTS.md]
+[--set l2|write-peel|one-wave|balance|pair|async] [--recent N]] [--results benchmarks/RESULTS.md]
 Prints a table (median µs, GB/s on the bytes the attention reads, ratio to the best BF16 backend measured in the same
 run, fraction of the copy bandwidth measured in the same run) and appends it to RESULTS.md with the date, device,
 commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is planned by ``DecodePlan`` over an
@@ -281,20 +281,8 @@ Triton one: two shared-memory stages (one tile in flight) or three, with the def
 programs on) or none. Its first run (commit 2cb4744) also had 168 registers with 1584 programs at small batches
 (slower at bs1: 43.0 µs at 100k) and read the junk "next" tile past each split's end (2 stages). An ``ncu`` source profile of the Triton kernel (bs1/100k and bs50/100k, H200) put ~30% of the warps'
 stall samples on the two loads each tile waits for (the key words before the scores, the value words after)."""
-STEP_VARIANTS_OVERLAP = [
-    ("default", {}),
-    ("overlap", dict(overlap=True)),
-    ("overlap, no register cap", dict(overlap=True, max_registers=0)),
-    ("Triton split kernel", dict(async_tiles=False)),
-]
-"""``--variants --set overlap``: the Gluon split kernel computing tile ``i + 1``'s scores in the iteration of tile
-``i``'s softmax and value product (``overlap``: two independent unpack-and-MMA streams per iteration for the
-scheduler to interleave; 254 registers, 200 bytes of spills under the 168 cap), against the default Gluon loop and
-the Triton kernel. An ``ncu`` source profile of the Gluon kernel at bs50/100k (H200) put 32% of the stall samples on
-fixed-latency dependencies with the issue slots 59% busy; at bs1 two warps per scheduler keep them 40% busy."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
-                "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR, "async": STEP_VARIANTS_ASYNC,
-                "overlap": STEP_VARIANTS_OVERLAP}
+                "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR, "async": STEP_VARIANTS_ASYNC}
 """Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out). The sets measured
 before ``balance`` became the default (all but ``balance``) ran with three exact programs for every sequence; run
 them with ``balance=False`` added to compare."""
@@ -388,8 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "chunk; one-wave: split and exact program counts that fill one wave at bs1/100k; "
                          "balance: exact programs per sequence from the context; pair: two half tiles side by side "
                          "and the 256-partial merge; async: the Gluon split kernel with its tiles through shared "
-                         "memory by cp.async, two or three stages; overlap: its next tile's scores beside this "
-                         "tile's values)")
+                         "memory by cp.async, two or three stages)")
     ap.add_argument("--l2", action="store_true", help="with --variants: the same as --set l2")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,

@@ -56,104 +56,19 @@ def usable(head_dim: int, block_n: int | None, block_nb: int | None, num_warps: 
 
 
 @gluon.jit
-def _issue_words(WORDS, dst, slot, valid, kvh, offs_w, stride_ws, stride_wh, ROWS: gl.constexpr, OFF64: gl.constexpr):
-    """``cp.async`` of one tile's code words (rows ``slot``, key or value) into one stage (no commit); tokens
-    outside ``valid`` are zero-filled without a read (a split's last "next" tile costs no memory trip)."""
+def _issue_tile(K_WORDS, V_WORDS, k_dst, v_dst, slot, valid, kvh, offs_w, stride_kws, stride_kwh, stride_vws,
+                stride_vwh, ROWS: gl.constexpr, OFF64: gl.constexpr):
+    """``cp.async`` of one tile's key and value code words (rows ``slot``) into one stage, as one commit group;
+    tokens outside ``valid`` are zero-filled without a read (a split's last "next" tile costs no memory trip)."""
     s = gl.convert_layout(slot, gl.SliceLayout(1, ROWS))
     if OFF64:
         s = s.to(gl.int64)
+    s2 = gl.expand_dims(s, 1)
+    w2 = gl.expand_dims(offs_w, 0)
     m = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, ROWS)), 1)
-    async_copy.async_copy_global_to_shared(
-        dst, WORDS + gl.expand_dims(s, 1) * stride_ws + kvh * stride_wh + gl.expand_dims(offs_w, 0), mask=m)
-
-
-@gluon.jit
-def _issue_tile(K_WORDS, V_WORDS, k_dst, v_dst, slot, valid, kvh, offs_w, stride_kws, stride_kwh, stride_vws,
-                stride_vwh, ROWS: gl.constexpr, OFF64: gl.constexpr):
-    """One tile's key and value code words into one stage each, as one commit group."""
-    _issue_words(K_WORDS, k_dst, slot, valid, kvh, offs_w, stride_kws, stride_kwh, ROWS, OFF64)
-    _issue_words(V_WORDS, v_dst, slot, valid, kvh, offs_w, stride_vws, stride_vwh, ROWS, OFF64)
+    async_copy.async_copy_global_to_shared(k_dst, K_WORDS + s2 * stride_kws + kvh * stride_kwh + w2, mask=m)
+    async_copy.async_copy_global_to_shared(v_dst, V_WORDS + s2 * stride_vws + kvh * stride_vwh + w2, mask=m)
     async_copy.commit_group()
-
-
-@gluon.jit
-def _query_planes(QN, b, kvh, stride_qnb, stride_qnh, GQA: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr,
-                  W: gl.constexpr, D4: gl.constexpr, OFF: gl.constexpr, R1: gl.constexpr, R2: gl.constexpr,
-                  R3: gl.constexpr, MMA: gl.constexpr, B_OP: gl.constexpr):
-    """The query planes ``[d/8, H]`` as key-product operands (plane j of word w's low byte: element 2w + j d/4, high
-    byte: 2w + 1 + j d/4; planes 1-3 of each byte pre-divided by 4**j), the score tile's initial value (minus the
-    offset the magic codes add to each score: OFF sum(q')) and sum(q) (times a token's zero, its zero's term)."""
-    COL: gl.constexpr = gl.SliceLayout(0, MMA)
-    ROW: gl.constexpr = gl.SliceLayout(1, MMA)
-    offs_qw = gl.arange(0, W, layout=gl.SliceLayout(1, B_OP))
-    offs_qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, B_OP))
-    qw = QN + b * stride_qnb + gl.expand_dims((kvh * GQA + offs_qh) * stride_qnh, 0) + 2 * gl.expand_dims(offs_qw, 1)
-    mq = gl.expand_dims(offs_qh < GQA, 0)
-    q0 = gl.load(qw + 0 * D4, mask=mq, other=0.0).to(gl.float16)
-    q1 = (gl.load(qw + 1 * D4, mask=mq, other=0.0) * R1).to(gl.float16)
-    q2 = (gl.load(qw + 2 * D4, mask=mq, other=0.0) * R2).to(gl.float16)
-    q3 = (gl.load(qw + 3 * D4, mask=mq, other=0.0) * R3).to(gl.float16)
-    q4 = gl.load(qw + 1 + 0 * D4, mask=mq, other=0.0).to(gl.float16)
-    q5 = (gl.load(qw + 1 + 1 * D4, mask=mq, other=0.0) * R1).to(gl.float16)
-    q6 = (gl.load(qw + 1 + 2 * D4, mask=mq, other=0.0) * R2).to(gl.float16)
-    q7 = (gl.load(qw + 1 + 3 * D4, mask=mq, other=0.0) * R3).to(gl.float16)
-    qsum = (q0.to(gl.float32) + q1.to(gl.float32) + q2.to(gl.float32) + q3.to(gl.float32)
-            + q4.to(gl.float32) + q5.to(gl.float32) + q6.to(gl.float32) + q7.to(gl.float32))
-    qoff = gl.convert_layout(gl.sum(qsum, 0), COL) * OFF
-    offs_h = gl.arange(0, BLOCK_H, layout=COL)
-    offs_d = gl.arange(0, D, layout=ROW)
-    q_rows = QN + b * stride_qnb + gl.expand_dims((kvh * GQA + offs_h) * stride_qnh, 0)
-    qtot = gl.sum(gl.load(q_rows + gl.expand_dims(offs_d, 1), mask=gl.expand_dims(offs_h < GQA, 0), other=0.0), 0)
-    s_init = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA) - gl.expand_dims(qoff, 0)
-    return q0, q1, q2, q3, q4, q5, q6, q7, s_init, gl.expand_dims(qtot, 0)
-
-
-@gluon.jit
-def _scores(k_tile, q0, q1, q2, q3, q4, q5, q6, q7, s_init, A_OP: gl.constexpr):
-    """``q'.c`` of a tile's key codes (one stage of the ring) for every head: eight plane MMAs on ``s_init``."""
-    k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(k_tile.load(A_OP))
-    qc = mma_v2(k0, q0, s_init)
-    qc = mma_v2(k1, q1, qc)
-    qc = mma_v2(k2, q2, qc)
-    qc = mma_v2(k3, q3, qc)
-    qc = mma_v2(k4, q4, qc)
-    qc = mma_v2(k5, q5, qc)
-    qc = mma_v2(k6, q6, qc)
-    return mma_v2(k7, q7, qc)
-
-
-@gluon.jit
-def _tile_values(qc, ks, kz, vs, vz, kz_q, v_tile, start, hi, offs_r, m_i, l_i, pz, pt, a0, a1, a2, a3, a4, a5, a6,
-                 a7, W: gl.constexpr, BLOCK_H: gl.constexpr, MMA: gl.constexpr, ROW: gl.constexpr,
-                 A_OP: gl.constexpr, B_OP: gl.constexpr):
-    """One tile's online softmax and value product: scores ``s = s_k (q'.c) + z_k sum(q)`` (tokens from ``hi`` on
-    masked), then ``sum_t (p_t s_t)(OFF + c_t)`` into the plane accumulators (the offset's share, ``OFF sum(p s)``,
-    summed in ``pt`` and taken off once at the end), ``sum_t p_t z_t`` into ``pz``."""
-    ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
-    kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
-    s = qc * ksf + kzf * kz_q
-    s = gl.where(gl.expand_dims(start + offs_r < hi, 1), s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 0))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - gl.expand_dims(m_new, 0))
-    l_i = l_i * alpha + gl.sum(p, 0)
-    vsf = gl.expand_dims(gl.convert_layout(vs, ROW).to(gl.float32), 1)
-    vzf = gl.expand_dims(gl.convert_layout(vz, ROW).to(gl.float32), 1)
-    ps = (p * vsf).to(gl.float16)
-    pz = pz * alpha + gl.sum(p * vzf, 0)
-    pt = pt * alpha + gl.sum(ps.to(gl.float32), 0)
-    pb = gl.convert_layout(ps, B_OP)
-    al = gl.expand_dims(alpha, 0)
-    v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(v_tile.permute((1, 0)).load(A_OP))
-    a0 = mma_v2(v0, pb, a0 * al)
-    a1 = mma_v2(v1, pb, a1 * al)
-    a2 = mma_v2(v2, pb, a2 * al)
-    a3 = mma_v2(v3, pb, a3 * al)
-    a4 = mma_v2(v4, pb, a4 * al)
-    a5 = mma_v2(v5, pb, a5 * al)
-    a6 = mma_v2(v6, pb, a6 * al)
-    a7 = mma_v2(v7, pb, a7 * al)
-    return m_new, l_i, pz, pt, a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @gluon.jit
@@ -184,7 +99,7 @@ def _decode_rows_async_kernel(
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     GQA: gl.constexpr, BLOCK_H: gl.constexpr, OFF64: gl.constexpr, PER_SEQ_EXACT: gl.constexpr,
-    STAGES: gl.constexpr, PIPE: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     D: gl.constexpr = HEAD_DIM
     W: gl.constexpr = D // 8
@@ -218,10 +133,53 @@ def _decode_rows_async_kernel(
         kv_start, lo, hi = _list_part(KV_INDPTR, b, split, num_splits, BN)
         offs_t = gl.arange(0, BN, layout=VEC)
         offs_w = gl.arange(0, W, layout=gl.SliceLayout(0, ROWS))
+        k_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
+        v_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
+        # the first STAGES - 1 tiles in flight before the query planes are read; slots run STAGES tiles ahead of
+        # the tile computed, scales one
+        valid = lo + offs_t < hi
+        slot = gl.load(KV_INDICES + kv_start + lo + offs_t, mask=valid, other=0)
+        _issue_tile(K_WORDS, V_WORDS, k_ring.index(0), v_ring.index(0), slot, valid, kvh, offs_w, stride_kws,
+                    stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
+        ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss,
+                                              stride_ksh, stride_kzs, stride_kzh, stride_vss, stride_vsh, stride_vzs,
+                                              stride_vzh, OFF64)
+        pos1 = lo + BN + offs_t
+        slot1 = gl.load(KV_INDICES + kv_start + pos1, mask=pos1 < hi, other=0)  # tile 1
+        slot2 = slot1
+        if STAGES == 3:
+            _issue_tile(K_WORDS, V_WORDS, k_ring.index(1), v_ring.index(1), slot1, pos1 < hi, kvh, offs_w,
+                        stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
+            pos2 = lo + 2 * BN + offs_t
+            slot2 = gl.load(KV_INDICES + kv_start + pos2, mask=pos2 < hi, other=0)  # tile 2
+
+        # query planes [d/8, H] (plane j of word w's low byte: element 2w + j d/4, high byte: 2w + 1 + j d/4),
+        # planes 1-3 of each byte pre-divided by 4**j; sum(q') and the offset the magic codes add to each score
+        offs_qw = gl.arange(0, W, layout=gl.SliceLayout(1, B_OP))
+        offs_qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, B_OP))
+        qw = QN + b * stride_qnb + gl.expand_dims((kvh * GQA + offs_qh) * stride_qnh, 0) \
+            + 2 * gl.expand_dims(offs_qw, 1)
+        mq = gl.expand_dims(offs_qh < GQA, 0)
+        q0 = gl.load(qw + 0 * D4, mask=mq, other=0.0).to(gl.float16)
+        q1 = (gl.load(qw + 1 * D4, mask=mq, other=0.0) * R1).to(gl.float16)
+        q2 = (gl.load(qw + 2 * D4, mask=mq, other=0.0) * R2).to(gl.float16)
+        q3 = (gl.load(qw + 3 * D4, mask=mq, other=0.0) * R3).to(gl.float16)
+        q4 = gl.load(qw + 1 + 0 * D4, mask=mq, other=0.0).to(gl.float16)
+        q5 = (gl.load(qw + 1 + 1 * D4, mask=mq, other=0.0) * R1).to(gl.float16)
+        q6 = (gl.load(qw + 1 + 2 * D4, mask=mq, other=0.0) * R2).to(gl.float16)
+        q7 = (gl.load(qw + 1 + 3 * D4, mask=mq, other=0.0) * R3).to(gl.float16)
+        qsum = (q0.to(gl.float32) + q1.to(gl.float32) + q2.to(gl.float32) + q3.to(gl.float32)
+                + q4.to(gl.float32) + q5.to(gl.float32) + q6.to(gl.float32) + q7.to(gl.float32))
+        qoff = gl.convert_layout(gl.sum(qsum, 0), COL) * OFF
+        offs_d = gl.arange(0, D, layout=ROW)
+        q_rows = QN + b * stride_qnb + gl.expand_dims(heads * stride_qnh, 0)
+        qtot = gl.sum(gl.load(q_rows + gl.expand_dims(offs_d, 1), mask=gl.expand_dims(mask_h, 0), other=0.0), 0)
+        s_init = gl.zeros([BN, BLOCK_H], gl.float32, MMA) - gl.expand_dims(qoff, 0)
+        kz_q = gl.expand_dims(qtot, 0)
+
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, COL)
         l_i = gl.zeros([BLOCK_H], gl.float32, COL)
         pz = gl.zeros([BLOCK_H], gl.float32, COL)
-        pt = gl.zeros([BLOCK_H], gl.float32, COL)
         a0 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
         a1 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
         a2 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
@@ -231,112 +189,67 @@ def _decode_rows_async_kernel(
         a6 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
         a7 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
         offs_r = gl.arange(0, BN, layout=ROW)
-        if PIPE:
-            # tile i + 1's scores beside tile i's softmax and values: two independent streams of unpacks and MMAs
-            # per iteration. Key and value words get their own two-stage rings: iteration i copies K(i + 2) and
-            # V(i + 1) (one commit group) while K(i + 1) and V(i), copied one iteration earlier, are read
-            k_ring = gl.allocate_shared_memory(gl.int16, [2, BN, W], RING)
-            v_ring = gl.allocate_shared_memory(gl.int16, [2, BN, W], RING)
-            valid = lo + offs_t < hi
-            slot = gl.load(KV_INDICES + kv_start + lo + offs_t, mask=valid, other=0)
-            _issue_words(K_WORDS, k_ring.index(0), slot, valid, kvh, offs_w, stride_kws, stride_kwh, ROWS, OFF64)
-            async_copy.commit_group()
-            ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss,
+        stage = 0
+        for start in range(lo, hi, BN):
+            ks, kz, vs, vz = ks_n, kz_n, vs_n, vz_n
+            # the stage the tile STAGES - 1 ahead lands in was read by the iteration before: every lane is past it
+            gl.thread_barrier()
+            ahead = start + (STAGES - 1) * BN + offs_t
+            into = (stage + STAGES - 1) % STAGES
+            _issue_tile(K_WORDS, V_WORDS, k_ring.index(into), v_ring.index(into), slot2, ahead < hi, kvh, offs_w,
+                        stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
+            nxt = start + BN + offs_t
+            ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot1, nxt < hi, kvh, stride_kss,
                                                   stride_ksh, stride_kzs, stride_kzh, stride_vss, stride_vsh,
                                                   stride_vzs, stride_vzh, OFF64)
-            pos1 = lo + BN + offs_t
-            slot1 = gl.load(KV_INDICES + kv_start + pos1, mask=pos1 < hi, other=0)  # tile 1
-            _issue_words(K_WORDS, k_ring.index(1), slot1, pos1 < hi, kvh, offs_w, stride_kws, stride_kwh, ROWS,
-                         OFF64)
-            _issue_words(V_WORDS, v_ring.index(0), slot, valid, kvh, offs_w, stride_vws, stride_vwh, ROWS, OFF64)
-            async_copy.commit_group()
-            pos2 = lo + 2 * BN + offs_t
-            slot2 = gl.load(KV_INDICES + kv_start + pos2, mask=pos2 < hi, other=0)  # tile 2
-            q0, q1, q2, q3, q4, q5, q6, q7, s_init, kz_q = _query_planes(
-                QN, b, kvh, stride_qnb, stride_qnh, GQA, BLOCK_H, D, W, D4, OFF, R1, R2, R3, MMA, B_OP)
-            async_copy.wait_group(1)
-            gl.thread_barrier()
-            qc = _scores(k_ring.index(0), q0, q1, q2, q3, q4, q5, q6, q7, s_init, A_OP)
-            it = 0
-            for start in range(lo, hi - BN, BN):
-                ks, kz, vs, vz = ks_n, kz_n, vs_n, vz_n
-                gl.thread_barrier()  # K(i) and V(i - 1), whose stages the copies below overwrite, are read
-                _issue_words(K_WORDS, k_ring.index(it % 2), slot2, start + 2 * BN + offs_t < hi, kvh, offs_w,
-                             stride_kws, stride_kwh, ROWS, OFF64)
-                _issue_words(V_WORDS, v_ring.index((it + 1) % 2), slot1, start + BN + offs_t < hi, kvh, offs_w,
-                             stride_vws, stride_vwh, ROWS, OFF64)
-                async_copy.commit_group()
-                ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot1,
-                                                      start + BN + offs_t < hi, kvh, stride_kss, stride_ksh,
-                                                      stride_kzs, stride_kzh, stride_vss, stride_vsh, stride_vzs,
-                                                      stride_vzh, OFF64)
-                far = start + 3 * BN + offs_t
-                slot1 = slot2
-                slot2 = gl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
-                async_copy.wait_group(1)  # K(i + 1) and V(i) have landed
-                gl.thread_barrier()
-                qn = _scores(k_ring.index((it + 1) % 2), q0, q1, q2, q3, q4, q5, q6, q7, s_init, A_OP)
-                m_i, l_i, pz, pt, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_values(
-                    qc, ks, kz, vs, vz, kz_q, v_ring.index(it % 2), start, hi, offs_r, m_i, l_i, pz, pt,
-                    a0, a1, a2, a3, a4, a5, a6, a7, W, BLOCK_H, MMA, ROW, A_OP, B_OP)
-                qc = qn
-                it += 1
-            async_copy.wait_group(0)  # the last tile's values
-            gl.thread_barrier()
-            if hi > lo:  # an empty split has no last tile (its all-masked scores would give a NaN rescale)
-                m_i, l_i, pz, pt, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_values(
-                    qc, ks_n, kz_n, vs_n, vz_n, kz_q, v_ring.index(it % 2), lo + (hi - lo - 1) // BN * BN, hi,
-                    offs_r, m_i, l_i, pz, pt, a0, a1, a2, a3, a4, a5, a6, a7, W, BLOCK_H, MMA, ROW, A_OP, B_OP)
-        else:
-            k_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
-            v_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
-            # the first STAGES - 1 tiles in flight before the query planes are read; slots run STAGES tiles ahead
-            # of the tile computed, scales one
-            valid = lo + offs_t < hi
-            slot = gl.load(KV_INDICES + kv_start + lo + offs_t, mask=valid, other=0)
-            _issue_tile(K_WORDS, V_WORDS, k_ring.index(0), v_ring.index(0), slot, valid, kvh, offs_w, stride_kws,
-                        stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
-            ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss,
-                                                  stride_ksh, stride_kzs, stride_kzh, stride_vss, stride_vsh,
-                                                  stride_vzs, stride_vzh, OFF64)
-            pos1 = lo + BN + offs_t
-            slot1 = gl.load(KV_INDICES + kv_start + pos1, mask=pos1 < hi, other=0)  # tile 1
-            slot2 = slot1
+            far = start + STAGES * BN + offs_t
+            slot_far = gl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
             if STAGES == 3:
-                _issue_tile(K_WORDS, V_WORDS, k_ring.index(1), v_ring.index(1), slot1, pos1 < hi, kvh, offs_w,
-                            stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
-                pos2 = lo + 2 * BN + offs_t
-                slot2 = gl.load(KV_INDICES + kv_start + pos2, mask=pos2 < hi, other=0)  # tile 2
-            q0, q1, q2, q3, q4, q5, q6, q7, s_init, kz_q = _query_planes(
-                QN, b, kvh, stride_qnb, stride_qnh, GQA, BLOCK_H, D, W, D4, OFF, R1, R2, R3, MMA, B_OP)
-            stage = 0
-            for start in range(lo, hi, BN):
-                ks, kz, vs, vz = ks_n, kz_n, vs_n, vz_n
-                # the stage the tile STAGES - 1 ahead lands in was read by the iteration before: every lane is past it
-                gl.thread_barrier()
-                ahead = start + (STAGES - 1) * BN + offs_t
-                into = (stage + STAGES - 1) % STAGES
-                _issue_tile(K_WORDS, V_WORDS, k_ring.index(into), v_ring.index(into), slot2, ahead < hi, kvh,
-                            offs_w, stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
-                nxt = start + BN + offs_t
-                ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot1, nxt < hi, kvh,
-                                                      stride_kss, stride_ksh, stride_kzs, stride_kzh, stride_vss,
-                                                      stride_vsh, stride_vzs, stride_vzh, OFF64)
-                far = start + STAGES * BN + offs_t
-                slot_far = gl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
-                if STAGES == 3:
-                    slot1 = slot2
-                    slot2 = slot_far
-                else:
-                    slot1 = slot_far
-                    slot2 = slot_far
-                async_copy.wait_group(STAGES - 1)  # this tile's group has landed (the later ones may be in flight)
-                gl.thread_barrier()
-                qc = _scores(k_ring.index(stage), q0, q1, q2, q3, q4, q5, q6, q7, s_init, A_OP)
-                m_i, l_i, pz, pt, a0, a1, a2, a3, a4, a5, a6, a7 = _tile_values(
-                    qc, ks, kz, vs, vz, kz_q, v_ring.index(stage), start, hi, offs_r, m_i, l_i, pz, pt,
-                    a0, a1, a2, a3, a4, a5, a6, a7, W, BLOCK_H, MMA, ROW, A_OP, B_OP)
-                stage = (stage + 1) % STAGES
+                slot1 = slot2
+                slot2 = slot_far
+            else:
+                slot1 = slot_far
+                slot2 = slot_far
+            async_copy.wait_group(STAGES - 1)  # this tile's group has landed (the later ones may be in flight)
+            gl.thread_barrier()
+            # ---- scores: s = s_k (q'.c) + z_k sum(q'), online softmax over the tile
+            k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(k_ring.index(stage).load(A_OP))
+            qc = mma_v2(k0, q0, s_init)
+            qc = mma_v2(k1, q1, qc)
+            qc = mma_v2(k2, q2, qc)
+            qc = mma_v2(k3, q3, qc)
+            qc = mma_v2(k4, q4, qc)
+            qc = mma_v2(k5, q5, qc)
+            qc = mma_v2(k6, q6, qc)
+            qc = mma_v2(k7, q7, qc)
+            ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
+            kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
+            s = qc * ksf + kzf * kz_q
+            s = gl.where(gl.expand_dims(start + offs_r < hi, 1), s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 0))
+            l_i = l_i * alpha + gl.sum(p, 0)
+            m_i = m_new
+            # ---- values: sum_t (p_t s_t) c_t into the plane accumulators, sum_t p_t z_t into pz
+            vsf = gl.expand_dims(gl.convert_layout(vs, ROW).to(gl.float32), 1)
+            vzf = gl.expand_dims(gl.convert_layout(vz, ROW).to(gl.float32), 1)
+            ps = (p * vsf).to(gl.float16)
+            pz = pz * alpha + gl.sum(p * vzf, 0)
+            off_t = gl.expand_dims(OFF * gl.sum(ps.to(gl.float32), 0), 0)
+            pb = gl.convert_layout(ps, B_OP)
+            al = gl.expand_dims(alpha, 0)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(v_ring.index(stage).permute((1, 0)).load(A_OP))
+            zero = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+            a0 = a0 * al + (mma_v2(v0, pb, zero) - off_t)
+            a1 = a1 * al + (mma_v2(v1, pb, zero) - off_t)
+            a2 = a2 * al + (mma_v2(v2, pb, zero) - off_t)
+            a3 = a3 * al + (mma_v2(v3, pb, zero) - off_t)
+            a4 = a4 * al + (mma_v2(v4, pb, zero) - off_t)
+            a5 = a5 * al + (mma_v2(v5, pb, zero) - off_t)
+            a6 = a6 * al + (mma_v2(v6, pb, zero) - off_t)
+            a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
+            stage = (stage + 1) % STAGES
         async_copy.wait_group(0)  # nothing left in flight when the program ends
         inv_l, lse = _finish_split(m_i, l_i)
         il = gl.expand_dims(inv_l, 0)
@@ -345,9 +258,7 @@ def _decode_rows_async_kernel(
         o_rows = PART_O + b * stride_pob + gl.expand_dims(heads * stride_poh, 0) + split * stride_pos \
             + 2 * gl.expand_dims(offs_ow, 1)
         mh = gl.expand_dims(mask_h, 0)
-        off = gl.expand_dims(pt * OFF, 0)
-        _store_planes(o_rows, a0 - off, a1 - off, a2 - off, a3 - off, a4 - off, a5 - off, a6 - off, a7 - off, il, zt,
-                      mh, D4, R1, R2, R3)
+        _store_planes(o_rows, a0, a1, a2, a3, a4, a5, a6, a7, il, zt, mh, D4, R1, R2, R3)
         gl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
     elif split < num_splits + num_exact:
         # ---------------- exact (BF16) program: rows x heads, natural element order ----------------

@@ -210,9 +210,6 @@ shuffles, take back most of it; 235 registers), and on an H200 (``bench_decode.p
 ROWS_ASYNC = True
 """Row-scale path on CUDA: the split kernel of :mod:`oscar_kernels.decode_async` (INT2 tiles staged through shared
 memory with ``cp.async`` one tile ahead) where it covers the launch."""
-ROWS_OVERLAP = False
-"""Row-scale path, Gluon split kernel: overlap tile ``i + 1``'s scores with tile ``i``'s values
-(``decode_int2(overlap=...)``)."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
@@ -1449,7 +1446,6 @@ def decode_int2(
     peel: bool = ROWS_PEEL,
     pair: bool = ROWS_PAIR,
     async_tiles: bool = ROWS_ASYNC,
-    overlap: bool = ROWS_OVERLAP,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -1484,9 +1480,6 @@ def decode_int2(
             words copied into shared memory with ``cp.async`` while a tile computes; ``num_stages`` 2 or 3 sets its
             shared-memory stages) where it covers the launch (:func:`~oscar_kernels.decode_async.usable`, no other
             row-scale variant asked for); ``ROWS_ASYNC``.
-        overlap: with ``async_tiles``: the Gluon kernel computes tile ``i + 1``'s scores in the iteration of tile
-            ``i``'s softmax and value product, two independent streams for the scheduler to interleave
-            (``ROWS_OVERLAP``; its own two-stage key and value rings, ``num_stages`` not taken).
         exact_quarters: row-scale path: the exact split reads and multiplies its rows a quarter of the head dim at a
             time (202 registers instead of 233 for the kernel at d = 128 with 32-row exact tiles, sink 64 / recent
             256: more resident programs; measured slower on an H200, commit f70fdbc: RESULTS.md).
@@ -1586,7 +1579,7 @@ def decode_int2(
         if gluon:
             decode_async._decode_rows_async_kernel[(bsz, hkv, parts)](
                 *args, GQA=gqa, BLOCK_H=block_h, OFF64=cache.off64, PER_SEQ_EXACT=per_seq_exact,
-                STAGES=num_stages or decode_async.STAGES, PIPE=bool(overlap), num_warps=1, **cap,
+                STAGES=num_stages or decode_async.STAGES, num_warps=1, **cap,
             )
         else:
             _decode_rows_kernel[(bsz, hkv, parts)](
