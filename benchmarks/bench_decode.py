@@ -1,7 +1,7 @@
 """Decode on Qwen3-8B shapes: INT2 (``DecodePlan``) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
 
 Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge | --variants
-[--set l2|write-peel|one-wave|balance|pair|async] [--recent N]] [--results benchmarks/RESULTS.md]
+[--set l2|write-peel|one-wave|balance|pair|async|int8] [--recent N]] [--results benchmarks/RESULTS.md]
 Prints a table (median µs, GB/s on the bytes the attention reads, ratio to the best BF16 backend measured in the same
 run, fraction of the copy bandwidth measured in the same run) and appends it to RESULTS.md with the date, device,
 commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is planned by ``DecodePlan`` over an
@@ -281,8 +281,20 @@ Triton one: two shared-memory stages (one tile in flight) or three, with the def
 programs on) or none. Its first run (commit 2cb4744) also had 168 registers with 1584 programs at small batches
 (slower at bs1: 43.0 µs at 100k) and read the junk "next" tile past each split's end (2 stages). An ``ncu`` source profile of the Triton kernel (bs1/100k and bs50/100k, H200) put ~30% of the warps'
 stall samples on the two loads each tile waits for (the key words before the scores, the value words after)."""
+STEP_VARIANTS_INT8 = [
+    ("default", {}),
+    ("value offset folded", dict(fold_offset=True)),
+    ("int8 scores", dict(int8_scores=True)),
+    ("int8 scores, value offset folded", dict(int8_scores=True, fold_offset=True)),
+]
+"""``--variants --set int8``: fewer ALU instructions per tile in the Gluon split kernel. ``int8_scores``: the
+group's rotated queries quantized to int8 (one scale), the key codes unpacked four per AND as ``16 c`` and
+multiplied by int8 MMAs (k = 32, half the MMAs), the int32 sums read as floats through a magic starting value;
+``fold_offset``: each value plane's MMA starts from its rescaled sum less the tile's code offset. sm_90 SASS per tile
+and warp: 1,720 instructions (880 on the ALU pipe) by default, 1,653 (747) with int8 scores, 1,631 with both."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
-                "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR, "async": STEP_VARIANTS_ASYNC}
+                "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR, "async": STEP_VARIANTS_ASYNC,
+                "int8": STEP_VARIANTS_INT8}
 """Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out). The sets measured
 before ``balance`` became the default (all but ``balance``) ran with three exact programs for every sequence; run
 them with ``balance=False`` added to compare."""
@@ -376,7 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "chunk; one-wave: split and exact program counts that fill one wave at bs1/100k; "
                          "balance: exact programs per sequence from the context; pair: two half tiles side by side "
                          "and the 256-partial merge; async: the Gluon split kernel with its tiles through shared "
-                         "memory by cp.async, two or three stages)")
+                         "memory by cp.async, two or three stages; int8: its scores from int8 MMAs, its value "
+                         "offset folded into the MMAs)")
     ap.add_argument("--l2", action="store_true", help="with --variants: the same as --set l2")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,

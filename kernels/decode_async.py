@@ -55,6 +55,22 @@ def usable(head_dim: int, block_n: int | None, block_nb: int | None, num_warps: 
         and num_warps in (None, 1) and num_stages in (None, 2, 3)
 
 
+_BYTE_PLANES_S8 = gl.constexpr(
+    "{ .reg .b32 t; "
+    "shl.b32 t, $4, 4; and.b32 $0, t, 0x30303030; shl.b32 t, $4, 2; and.b32 $1, t, 0x30303030; "
+    "and.b32 $2, $4, 0x30303030; shr.b32 t, $4, 2; and.b32 $3, t, 0x30303030; }"
+)
+"""PTX, four code bytes per 32-bit register: four int8 outputs, plane ``j`` of each byte (its bits ``2j, 2j + 1``)
+moved to bits 4-5, i.e. ``16 c``: three shifts and four ANDs per sixteen codes."""
+
+
+@gluon.jit
+def _byte_planes_s8(x):
+    """int8 code bytes -> four int8 tensors ``16 c`` (planes j = 0..3 of each byte)."""
+    return gl.inline_asm_elementwise(_BYTE_PLANES_S8, "=r,=r,=r,=r,r", [x], dtype=(gl.int8,) * 4, is_pure=True,
+                                     pack=4)
+
+
 @gluon.jit
 def _issue_tile(K_WORDS, V_WORDS, k_dst, v_dst, slot, valid, kvh, offs_w, stride_kws, stride_kwh, stride_vws,
                 stride_vwh, ROWS: gl.constexpr, OFF64: gl.constexpr):
@@ -99,7 +115,7 @@ def _decode_rows_async_kernel(
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     GQA: gl.constexpr, BLOCK_H: gl.constexpr, OFF64: gl.constexpr, PER_SEQ_EXACT: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, Q8: gl.constexpr, FOLD: gl.constexpr,
 ):
     D: gl.constexpr = HEAD_DIM
     W: gl.constexpr = D // 8
@@ -118,6 +134,11 @@ def _decode_rows_async_kernel(
     EXACT: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
     RING: gl.constexpr = gl.SwizzledSharedLayout(8, 4, 2, [1, 0])
     TILE: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    RING8: gl.constexpr = gl.SwizzledSharedLayout(16, 4, 2, [1, 0])  # RING's bytes seen as int8 rows of 2 W
+    A_OP8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    B_OP8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    MAGIC_I: gl.constexpr = 0x4B400000  # int32 bits of 12582912.0: + n (|n| < 2**22) reads as 12582912 + n
+    MAGIC_F: gl.constexpr = 12582912.0
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
 
@@ -176,6 +197,29 @@ def _decode_rows_async_kernel(
         qtot = gl.sum(gl.load(q_rows + gl.expand_dims(offs_d, 1), mask=gl.expand_dims(mask_h, 0), other=0.0), 0)
         s_init = gl.zeros([BN, BLOCK_H], gl.float32, MMA) - gl.expand_dims(qoff, 0)
         kz_q = gl.expand_dims(qtot, 0)
+        if Q8:
+            # int8 scores: q' of the group quantized with one scale (max |q'| / 127) into four int8 planes
+            # [d/4, H] (plane j: elements j d/4 + byte, the bytes of a row of codes in order); a plane's codes arrive
+            # as 16 c, so q'.c = sq / 16 * (q8 . 16c), summed exactly in int32 from the magic float's bits
+            qa = gl.load(q_rows + gl.expand_dims(offs_d, 1), mask=gl.expand_dims(mask_h, 0), other=0.0)
+            amax = gl.max(gl.max(gl.abs(qa), 1), 0)
+            amax = gl.where(amax > 0.0, amax, 1.0)
+            inv = 127.0 / amax
+            offs_bk = gl.arange(0, 2 * W, layout=gl.SliceLayout(1, B_OP8))
+            offs_bh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, B_OP8))
+            qb = QN + b * stride_qnb + gl.expand_dims((kvh * GQA + offs_bh) * stride_qnh, 0) \
+                + gl.expand_dims(offs_bk, 1)
+            mb = gl.expand_dims(offs_bh < GQA, 0)
+            x = gl.load(qb + 0 * D4, mask=mb, other=0.0) * inv
+            p8_0 = (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
+            x = gl.load(qb + 1 * D4, mask=mb, other=0.0) * inv
+            p8_1 = (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
+            x = gl.load(qb + 2 * D4, mask=mb, other=0.0) * inv
+            p8_2 = (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
+            x = gl.load(qb + 3 * D4, mask=mb, other=0.0) * inv
+            p8_3 = (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
+            sq16 = amax / (127.0 * 16.0)
+            i_init = gl.full([BN, BLOCK_H], MAGIC_I, gl.int32, MMA)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, COL)
         l_i = gl.zeros([BLOCK_H], gl.float32, COL)
@@ -213,18 +257,28 @@ def _decode_rows_async_kernel(
             async_copy.wait_group(STAGES - 1)  # this tile's group has landed (the later ones may be in flight)
             gl.thread_barrier()
             # ---- scores: s = s_k (q'.c) + z_k sum(q'), online softmax over the tile
-            k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(k_ring.index(stage).load(A_OP))
-            qc = mma_v2(k0, q0, s_init)
-            qc = mma_v2(k1, q1, qc)
-            qc = mma_v2(k2, q2, qc)
-            qc = mma_v2(k3, q3, qc)
-            qc = mma_v2(k4, q4, qc)
-            qc = mma_v2(k5, q5, qc)
-            qc = mma_v2(k6, q6, qc)
-            qc = mma_v2(k7, q7, qc)
             ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
             kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
-            s = qc * ksf + kzf * kz_q
+            if Q8:
+                c0, c1, c2, c3 = _byte_planes_s8(k_ring.index(stage)._reinterpret(gl.int8, [BN, 2 * W], RING8)
+                                                 .load(A_OP8))
+                qi = mma_v2(c0, p8_0, i_init)
+                qi = mma_v2(c1, p8_1, qi)
+                qi = mma_v2(c2, p8_2, qi)
+                qi = mma_v2(c3, p8_3, qi)
+                kk = ksf * sq16
+                s = qi.to(gl.float32, bitcast=True) * kk + (kzf * kz_q - MAGIC_F * kk)
+            else:
+                k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(k_ring.index(stage).load(A_OP))
+                qc = mma_v2(k0, q0, s_init)
+                qc = mma_v2(k1, q1, qc)
+                qc = mma_v2(k2, q2, qc)
+                qc = mma_v2(k3, q3, qc)
+                qc = mma_v2(k4, q4, qc)
+                qc = mma_v2(k5, q5, qc)
+                qc = mma_v2(k6, q6, qc)
+                qc = mma_v2(k7, q7, qc)
+                s = qc * ksf + kzf * kz_q
             s = gl.where(gl.expand_dims(start + offs_r < hi, 1), s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 0))
             alpha = gl.exp2(m_i - m_new)
@@ -240,15 +294,25 @@ def _decode_rows_async_kernel(
             pb = gl.convert_layout(ps, B_OP)
             al = gl.expand_dims(alpha, 0)
             v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(v_ring.index(stage).permute((1, 0)).load(A_OP))
-            zero = gl.zeros([W, BLOCK_H], gl.float32, MMA)
-            a0 = a0 * al + (mma_v2(v0, pb, zero) - off_t)
-            a1 = a1 * al + (mma_v2(v1, pb, zero) - off_t)
-            a2 = a2 * al + (mma_v2(v2, pb, zero) - off_t)
-            a3 = a3 * al + (mma_v2(v3, pb, zero) - off_t)
-            a4 = a4 * al + (mma_v2(v4, pb, zero) - off_t)
-            a5 = a5 * al + (mma_v2(v5, pb, zero) - off_t)
-            a6 = a6 * al + (mma_v2(v6, pb, zero) - off_t)
-            a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
+            if FOLD:  # the tensor cores start each plane from its rescaled sum less this tile's offset
+                a0 = mma_v2(v0, pb, a0 * al - off_t)
+                a1 = mma_v2(v1, pb, a1 * al - off_t)
+                a2 = mma_v2(v2, pb, a2 * al - off_t)
+                a3 = mma_v2(v3, pb, a3 * al - off_t)
+                a4 = mma_v2(v4, pb, a4 * al - off_t)
+                a5 = mma_v2(v5, pb, a5 * al - off_t)
+                a6 = mma_v2(v6, pb, a6 * al - off_t)
+                a7 = mma_v2(v7, pb, a7 * al - off_t)
+            else:
+                zero = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+                a0 = a0 * al + (mma_v2(v0, pb, zero) - off_t)
+                a1 = a1 * al + (mma_v2(v1, pb, zero) - off_t)
+                a2 = a2 * al + (mma_v2(v2, pb, zero) - off_t)
+                a3 = a3 * al + (mma_v2(v3, pb, zero) - off_t)
+                a4 = a4 * al + (mma_v2(v4, pb, zero) - off_t)
+                a5 = a5 * al + (mma_v2(v5, pb, zero) - off_t)
+                a6 = a6 * al + (mma_v2(v6, pb, zero) - off_t)
+                a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
             stage = (stage + 1) % STAGES
         async_copy.wait_group(0)  # nothing left in flight when the program ends
         inv_l, lse = _finish_split(m_i, l_i)

@@ -210,6 +210,12 @@ shuffles, take back most of it; 235 registers), and on an H200 (``bench_decode.p
 ROWS_ASYNC = True
 """Row-scale path on CUDA: the split kernel of :mod:`oscar_kernels.decode_async` (INT2 tiles staged through shared
 memory with ``cp.async`` one tile ahead) where it covers the launch."""
+ROWS_INT8_SCORES = False
+"""Row-scale path, Gluon split kernel: scores from int8 MMAs over int8-quantized queries
+(``decode_int2(int8_scores=...)``)."""
+ROWS_FOLD_OFFSET = False
+"""Row-scale path, Gluon split kernel: value planes' code offset folded into the MMA's starting value
+(``decode_int2(fold_offset=...)``)."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
@@ -1446,6 +1452,8 @@ def decode_int2(
     peel: bool = ROWS_PEEL,
     pair: bool = ROWS_PAIR,
     async_tiles: bool = ROWS_ASYNC,
+    int8_scores: bool = ROWS_INT8_SCORES,
+    fold_offset: bool = ROWS_FOLD_OFFSET,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -1480,6 +1488,12 @@ def decode_int2(
             words copied into shared memory with ``cp.async`` while a tile computes; ``num_stages`` 2 or 3 sets its
             shared-memory stages) where it covers the launch (:func:`~oscar_kernels.decode_async.usable`, no other
             row-scale variant asked for); ``ROWS_ASYNC``.
+        int8_scores: with ``async_tiles``: the scores from int8 tensor-core products (``ROWS_INT8_SCORES``): the
+            group's rotated queries quantized to int8 with one scale, the key codes unpacked four to an ALU
+            instruction (three shifts and four ANDs per sixteen codes against eight LOP3s and a shift), half the
+            MMAs (k = 32).
+        fold_offset: with ``async_tiles``: each value plane's MMA starts from its rescaled sum less the tile's code
+            offset (``ROWS_FOLD_OFFSET``; one fused multiply per element instead of a subtract and a multiply-add).
         exact_quarters: row-scale path: the exact split reads and multiplies its rows a quarter of the head dim at a
             time (202 registers instead of 233 for the kernel at d = 128 with 32-row exact tiles, sink 64 / recent
             256: more resident programs; measured slower on an H200, commit f70fdbc: RESULTS.md).
@@ -1579,7 +1593,8 @@ def decode_int2(
         if gluon:
             decode_async._decode_rows_async_kernel[(bsz, hkv, parts)](
                 *args, GQA=gqa, BLOCK_H=block_h, OFF64=cache.off64, PER_SEQ_EXACT=per_seq_exact,
-                STAGES=num_stages or decode_async.STAGES, num_warps=1, **cap,
+                STAGES=num_stages or decode_async.STAGES, Q8=bool(int8_scores), FOLD=bool(fold_offset), num_warps=1,
+                **cap,
             )
         else:
             _decode_rows_kernel[(bsz, hkv, parts)](

@@ -387,7 +387,9 @@ def test_decode_async_tiles(layout, monkeypatch):
     """``async_tiles`` (the Gluon split kernel: INT2 tiles staged through shared memory one tile ahead) gives the
     reference answer on ragged lengths (an empty INT2 part, single-tile and many-tile splits, a split count over
     ``max_splits`` with per-sequence exact programs), pools in both layouts and with 64-bit offsets, poisoned
-    workspace and out, and agrees with the Triton split kernel; where it does not cover the launch (the
+    workspace and out, and agrees with the Triton split kernel, also with int8 scores (queries quantized to int8)
+    and the value offset folded into the MMAs, alone and together under the large-batch register cap; where it does
+    not cover the launch (the
     interpreter, other row-scale variants, d = 64) the Triton kernel runs and the answer is the same."""
     if layout == "int64":
         monkeypatch.setattr(layout_module, "OFFSET64", 1)
@@ -404,7 +406,9 @@ def test_decode_async_tiles(layout, monkeypatch):
         ref = decode_int2_ref(q, lists.cache, index)
         outs = []
         for knobs in (dict(async_tiles=True), dict(async_tiles=False), dict(async_tiles=True, num_stages=3),
-                      dict(async_tiles=True, peel=True)):
+                      dict(async_tiles=True, peel=True), dict(async_tiles=True, int8_scores=True),
+                      dict(async_tiles=True, fold_offset=True),
+                      dict(async_tiles=True, int8_scores=True, fold_offset=True, max_registers=168)):
             ws = decode_workspace(q.shape[0], q.shape[1], d, index.max_splits, DEVICE, index.exact_splits)
             for t in ws:
                 t.fill_(float("nan"))
