@@ -198,13 +198,16 @@ def _decode_rows_async_kernel(
         s_init = gl.zeros([BN, BLOCK_H], gl.float32, MMA) - gl.expand_dims(qoff, 0)
         kz_q = gl.expand_dims(qtot, 0)
         if Q8:
-            # int8 scores: q' of the group quantized with one scale (max |q'| / 127) into four int8 planes
+            # int8 scores: each head's q' quantized with its own scale (max |q'| / 127) into four int8 planes
             # [d/4, H] (plane j: elements j d/4 + byte, the bytes of a row of codes in order); a plane's codes arrive
-            # as 16 c, so q'.c = sq / 16 * (q8 . 16c), summed exactly in int32 from the magic float's bits
+            # as 16 c, so q'.c = g n with g = scale / 16 and n = q8 . 16c, summed exactly in int32 and read through
+            # the magic float's bits. Scores are kept in units of g per head (inner = s / g: two fused multiply-adds
+            # per element) and scaled back where the softmax subtracts the running max
             qa = gl.load(q_rows + gl.expand_dims(offs_d, 1), mask=gl.expand_dims(mask_h, 0), other=0.0)
-            amax = gl.max(gl.max(gl.abs(qa), 1), 0)
+            amax = gl.max(gl.abs(qa), 0)
             amax = gl.where(amax > 0.0, amax, 1.0)
-            inv = 127.0 / amax
+            gq = amax / (127.0 * 16.0)
+            inv = gl.expand_dims(gl.convert_layout(127.0 / amax, gl.SliceLayout(0, B_OP8)), 0)
             offs_bk = gl.arange(0, 2 * W, layout=gl.SliceLayout(1, B_OP8))
             offs_bh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, B_OP8))
             qb = QN + b * stride_qnb + gl.expand_dims((kvh * GQA + offs_bh) * stride_qnh, 0) \
@@ -218,7 +221,8 @@ def _decode_rows_async_kernel(
             p8_2 = (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
             x = gl.load(qb + 3 * D4, mask=mb, other=0.0) * inv
             p8_3 = (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
-            sq16 = amax / (127.0 * 16.0)
+            kz_g = gl.expand_dims(qtot / gq, 0)  # a token's zero term in units of g
+            g2 = gl.expand_dims(gq, 0)
             i_init = gl.full([BN, BLOCK_H], MAGIC_I, gl.int32, MMA)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, COL)
@@ -266,8 +270,7 @@ def _decode_rows_async_kernel(
                 qi = mma_v2(c1, p8_1, qi)
                 qi = mma_v2(c2, p8_2, qi)
                 qi = mma_v2(c3, p8_3, qi)
-                kk = ksf * sq16
-                s = qi.to(gl.float32, bitcast=True) * kk + (kzf * kz_q - MAGIC_F * kk)
+                s = qi.to(gl.float32, bitcast=True) * ksf + (kzf * kz_g - MAGIC_F * ksf)  # s / g
             else:
                 k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(k_ring.index(stage).load(A_OP))
                 qc = mma_v2(k0, q0, s_init)
@@ -280,9 +283,13 @@ def _decode_rows_async_kernel(
                 qc = mma_v2(k7, q7, qc)
                 s = qc * ksf + kzf * kz_q
             s = gl.where(gl.expand_dims(start + offs_r < hi, 1), s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
+            if Q8:
+                m_new = gl.maximum(m_i, gl.max(s, 0) * gq)
+                p = gl.exp2(s * g2 - gl.expand_dims(m_new, 0))
+            else:
+                m_new = gl.maximum(m_i, gl.max(s, 0))
+                p = gl.exp2(s - gl.expand_dims(m_new, 0))
             alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 0))
             l_i = l_i * alpha + gl.sum(p, 0)
             m_i = m_new
             # ---- values: sum_t (p_t s_t) c_t into the plane accumulators, sum_t p_t z_t into pz

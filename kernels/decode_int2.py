@@ -1646,9 +1646,11 @@ def decode_int2(
     return out
 
 
-def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_scale: float | None = None) -> torch.Tensor:
+def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_scale: float | None = None,
+                    int8_scores: bool = False) -> torch.Tensor:
     """Plain fp32 torch definition of :func:`decode_int2` (split counts do not change the result); returns fp32
-    ``[B, Hq, d]``."""
+    ``[B, Hq, d]``. ``int8_scores``: that variant's definition: the INT2 rows' scores use each head's rotated query
+    rounded to int8 steps of ``max |q'| / 127`` (the exact rows' use it as is)."""
     bsz, hq, d = q.shape
     hkv = cache.kv_heads
     gqa = hq // hkv
@@ -1660,9 +1662,15 @@ def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_s
     for b in range(bsz):
         k = cached_rows_ref(cache.k, cache.k_bf16, *lists, b)
         v = cached_rows_ref(cache.v, cache.v_bf16, *lists, b)
+        n_int2 = int(index.kv_indptr[b + 1] - index.kv_indptr[b])
         for h in range(hq):
             kh = h // gqa
             qr = q[b, h].float() @ rk[kh]
-            p = torch.softmax((k[:, kh] @ qr) * sm_scale, dim=0)
+            s = k[:, kh] @ qr
+            if int8_scores:
+                step = qr.abs().max() / 127
+                step = step if step > 0 else step.new_tensor(1.0)
+                s[:n_int2] = k[:n_int2, kh] @ (torch.round(qr / step) * step)
+            p = torch.softmax(s * sm_scale, dim=0)
             out[b, h] = (p @ v[:, kh]) @ rv[kh].T
     return out
