@@ -1649,8 +1649,9 @@ def decode_int2(
 def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_scale: float | None = None,
                     int8_scores: bool = False) -> torch.Tensor:
     """Plain fp32 torch definition of :func:`decode_int2` (split counts do not change the result); returns fp32
-    ``[B, Hq, d]``. ``int8_scores``: that variant's definition: the INT2 rows' scores use each head's rotated query
-    rounded to int8 steps of ``max |q'| / 127`` (the exact rows' use it as is)."""
+    ``[B, Hq, d]``. ``int8_scores``: that variant's definition: the INT2 rows' code terms ``scale * (c . q')`` use
+    each head's rotated query rounded to int8 steps of ``max |q'| / 127``; their zero terms ``zero * sum(q')`` and
+    the exact rows' scores use it as is."""
     bsz, hq, d = q.shape
     hkv = cache.kv_heads
     gqa = hq // hkv
@@ -1663,6 +1664,7 @@ def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_s
         k = cached_rows_ref(cache.k, cache.k_bf16, *lists, b)
         v = cached_rows_ref(cache.v, cache.v_bf16, *lists, b)
         n_int2 = int(index.kv_indptr[b + 1] - index.kv_indptr[b])
+        zero = cache.k.zero[index.kv_indices[index.kv_indptr[b]:index.kv_indptr[b + 1]].long()]
         for h in range(hq):
             kh = h // gqa
             qr = q[b, h].float() @ rk[kh]
@@ -1670,7 +1672,8 @@ def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_s
             if int8_scores:
                 step = qr.abs().max() / 127
                 step = step if step > 0 else step.new_tensor(1.0)
-                s[:n_int2] = k[:n_int2, kh] @ (torch.round(qr / step) * step)
+                z = zero[:, kh].float().repeat_interleave(cache.k.group_size, -1)  # [n_int2, d]
+                s[:n_int2] = (k[:n_int2, kh] - z) @ (torch.round(qr / step) * step) + z @ qr
             p = torch.softmax(s * sm_scale, dim=0)
             out[b, h] = (p @ v[:, kh]) @ rv[kh].T
     return out

@@ -711,6 +711,10 @@ def test_server_argv_goes_through_build_launch_and_keeps_baselines_plugin_free(q
     _, env_b = d.server_argv(d.CONFIGS["flashinfer"], null, model, None, tmp_path / "p")
     assert env_o["SGLANG_PLUGINS"] == "oscar,oscar_bench_fill" and env_o["OSCAR_BENCH_NULL_FILL"] == flag
     assert env_b["SGLANG_PLUGINS"] == "oscar_bench_fill" and env_b["OSCAR_BENCH_NULL_FILL"] == flag
+    q8, env_q8 = d.server_argv(d.CONFIGS["oscar-int8"], cfg, model, art, tmp_path / "p")
+    assert json.loads(dict(zip(q8[3::2], q8[4::2], strict=False))["--json-model-override-args"])["oscar"][
+        "int8_scores"] is True and env_q8["SGLANG_PLUGINS"] == "oscar"
+    assert json.loads(flags["--json-model-override-args"])["oscar"]["int8_scores"] is False
     bf16, _ = d.server_argv(d.CONFIGS["triton"], cfg, model, None, tmp_path / "p")
     assert "--kv-cache-dtype" not in bf16
     with pytest.raises(ServeRefusal, match="--kv-cache-dtype"):  # the plugin's own refusal, through build_launch

@@ -56,6 +56,8 @@ class ServeConfig:
     """``--kv-cache-dtype`` (None: SGLang's ``auto``, BF16 for this model)."""
     kv: str
     """How the table names its KV cache."""
+    int8_scores: bool = False
+    """oscar: decode scores from int8 MMAs (``oscar serve --int8-scores``)."""
 
 
 CONFIGS: dict[str, ServeConfig] = {c.name: c for c in (
@@ -64,6 +66,7 @@ CONFIGS: dict[str, ServeConfig] = {c.name: c for c in (
     ServeConfig("triton", "triton", None, "BF16"),
     ServeConfig("triton-fp8", "triton", "fp8_e4m3", "FP8 e4m3"),
     ServeConfig("oscar", "oscar", None, "INT2 g128 s64/r256"),
+    ServeConfig("oscar-int8", "oscar", None, "INT2 g128 s64/r256, int8 scores", int8_scores=True),
 )}
 """In run order: baselines first, so the BF16 largest batch is recorded before oscar needs it."""
 BASELINE = "flashinfer"
@@ -74,7 +77,7 @@ MEASURES = ("capacity", "throughput", "latency", "profile")
 DEFAULT_MEASURES = ("capacity", "throughput", "latency")
 RUN_ORDER = ("capacity", "throughput", "profile", "latency")
 """The order measurements run in: the profile reuses the throughput's shared prefix before latency flushes it."""
-PROFILED = ("oscar", "flashinfer", "triton")
+PROFILED = ("oscar", "oscar-int8", "flashinfer", "triton")
 """Configurations ``profile`` runs for: oscar against BF16."""
 FILLS = ("auto", "prefill", "prefix", "null")
 NULL_FILL_FLAG = "null-fill.flag"
@@ -319,7 +322,8 @@ def server_argv(config: ServeConfig, cfg: BenchConfig, model: Path, artifact: Pa
         if artifact is None:
             raise BenchError("the oscar configuration needs an artifact")
         flags += ["--max-running-requests", str(cfg.max_running_requests)]
-        argv, plugin_env = build_launch(str(model), Path(artifact), "127.0.0.1", cfg.port, [*flags, *cfg.extra])
+        argv, plugin_env = build_launch(str(model), Path(artifact), "127.0.0.1", cfg.port, [*flags, *cfg.extra],
+                                        int8_scores=config.int8_scores)
         for k, v in plugin_env.items():
             env[k] = ",".join([v, *plugins]) if k == "SGLANG_PLUGINS" else v
         return argv, env

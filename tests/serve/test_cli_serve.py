@@ -78,8 +78,9 @@ def test_sglang_without_its_launch_module_says_so(monkeypatch):
 def test_sglang_execs_what_build_launch_returns(monkeypatch, word_model, serve_store, word_artifact):
     calls: dict = {}
 
-    def build_launch(model_path, artifact, host, port, extra):
+    def build_launch(model_path, artifact, host, port, extra, int8_scores=False):
         calls["build"] = (model_path, artifact, host, port, extra)
+        calls["int8"] = int8_scores
         return ["/bin/sglang-server", "--model-path", model_path], {"SGLANG_PLUGINS": "oscar"}
 
     def execvpe(file, argv, env):
@@ -95,11 +96,32 @@ def test_sglang_execs_what_build_launch_returns(monkeypatch, word_model, serve_s
     assert r.exit_code == 0, r.output
     assert calls["build"] == (str(word_model), word_artifact, "0.0.0.0", 8123,
                               ["--tp-size", "2", "--mem-fraction-static", "0.8"])
+    assert calls["int8"] is False
     file, argv, env = calls["exec"]
     assert file == "/bin/sglang-server" and argv == ["/bin/sglang-server", "--model-path", str(word_model)]
     assert env["SGLANG_PLUGINS"] == "oscar" and env["PATH"] == os.environ["PATH"]
     assert re.search(r"artifact \S+/v1, INT2 group 32, sink 4, recent 8\) at http://0\.0\.0\.0:8123/v1 "
                      r"\(engine sglang\)", r.output), r.output
+
+
+def test_int8_scores_reach_build_launch_and_are_sglang_only(monkeypatch, word_model, serve_store):
+    calls: dict = {}
+
+    def build_launch(model_path, artifact, host, port, extra, int8_scores=False):
+        calls["int8"] = int8_scores
+        return ["/bin/sglang-server"], {}
+
+    launch = types.ModuleType(LAUNCH)
+    launch.build_launch = build_launch
+    monkeypatch.setitem(sys.modules, LAUNCH, launch)
+    monkeypatch.setattr(os, "execvpe", lambda *a: (_ for _ in ()).throw(SystemExit(0)))
+    r = invoke("--engine", "sglang", "--model", str(word_model), "--artifact", "latest", "--store", str(serve_store),
+               "--int8-scores")
+    assert r.exit_code == 0, r.output
+    assert calls["int8"] is True
+    msg = one_line_error(invoke("--engine", "transformers", "--model", str(word_model), "--artifact", "latest",
+                                "--store", str(serve_store), "--int8-scores"))
+    assert "--int8-scores is an SGLang engine option" in msg and "--engine sglang" in msg
 
 
 def test_sglang_needs_an_artifact(monkeypatch, word_model, serve_store):

@@ -130,12 +130,15 @@ def test_settings_round_trip_through_the_override_json():
     assert json.loads(text)["rope_theta"] == 1e6
     assert read_settings(text) == s
     assert read_settings('{"rope_theta": 1}') is None and read_settings(None) is None
+    q8 = OscarSettings(artifact=Path("/a/v1"), int8_scores=True)
+    assert read_settings(write_settings(q8)) == q8 and read_settings(write_settings(s)).int8_scores is False
 
 
 @pytest.mark.parametrize("text, words", [
     ('{"oscar": {"artifact": "a", "anchor": 3}}', "unknown key(s) anchor"),
     ('{"oscar": {"anchors": 3}}', "at least"),
     ('{"oscar": {"artifact": "a", "anchors": -1}}', "non-negative"),
+    ('{"oscar": {"artifact": "a", "int8_scores": 1}}', "int8_scores must be true or false"),
     ("{oscar", "not valid JSON"),
     ("[1]", "JSON object"),
 ])

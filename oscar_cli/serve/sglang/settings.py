@@ -51,6 +51,9 @@ class OscarSettings:
     artifact: Path
     anchors: int = DEFAULT_ANCHORS
     anchor_interval: int = DEFAULT_ANCHOR_INTERVAL
+    int8_scores: bool = False
+    """Decode scores over INT2 rows from int8 MMAs (each head's rotated query rounded to int8 steps of
+    ``max |q'| / 127``; ``oscar_kernels.decode_int2(int8_scores=...)``): faster at large batches, off by default."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "artifact", Path(self.artifact))
@@ -58,9 +61,12 @@ class OscarSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise SettingsError(f"oscar setting {name} must be a non-negative integer, got {v!r}")
+        if not isinstance(self.int8_scores, bool):
+            raise SettingsError(f"oscar setting int8_scores must be true or false, got {self.int8_scores!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"artifact": str(self.artifact), "anchors": self.anchors, "anchor_interval": self.anchor_interval}
+        return {"artifact": str(self.artifact), "anchors": self.anchors, "anchor_interval": self.anchor_interval,
+                "int8_scores": self.int8_scores}
 
     @classmethod
     def from_dict(cls, d: Any) -> OscarSettings:
