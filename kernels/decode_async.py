@@ -20,6 +20,12 @@ only for the shapes it was written for (``d = 128``, 128-token tiles, one warp) 
 H200 image's; later releases renamed its ``cp.async`` API); :func:`usable` says when, and
 :func:`~oscar_kernels.decode_int2.decode_int2` falls back to the Triton kernel otherwise (and under the
 interpreter, which does not run Gluon).
+
+``Q8`` (``decode_int2(int8_scores=True)``, off by default) takes the scores from int8 MMAs instead: each head's
+rotated query rounded to int8 (its own scale), the key words' bytes read from the same ring as int8 operands and
+unpacked four codes per AND (``16 c``), k = 32 MMAs (half as many), the int32 sums read as floats through a magic
+starting value. ``FOLD`` (``fold_offset``) starts each value plane's MMA from its rescaled sum less the tile's code
+offset.
 """
 
 from __future__ import annotations

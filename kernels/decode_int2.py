@@ -211,11 +211,18 @@ ROWS_ASYNC = True
 """Row-scale path on CUDA: the split kernel of :mod:`oscar_kernels.decode_async` (INT2 tiles staged through shared
 memory with ``cp.async`` one tile ahead) where it covers the launch."""
 ROWS_INT8_SCORES = False
-"""Row-scale path, Gluon split kernel: scores from int8 MMAs over int8-quantized queries
-(``decode_int2(int8_scores=...)``)."""
+"""Row-scale path, Gluon split kernel: scores over the INT2 rows from int8 MMAs, each head's rotated query rounded to
+int8 steps of ``max |q'| / 127`` (``decode_int2(int8_scores=...)``, defined by ``decode_int2_ref(int8_scores=
+True)``). Measured on an H200 (``bench_decode.py --variants --set int8``, commit a067547, per layer): bs50/100k 1045
+µs against 1123, bs32/32k 258 against 274, bs1/100k 35.1 against 37.3, bs1/8k and 32k level; end to end (``oscar
+bench`` configuration ``oscar-int8``, commit a707298) 1,140 tokens/s at bs50/100k against 1,085 and batch-1 ITL at
+100k 5.92-5.95 ms against 6.02-6.04. Off by default: it changes the scores (up to 1.5% relative on the output
+against the exact reference on the kernel test's sharp attention; the INT2 keys change them far more); ``oscar serve
+--int8-scores`` turns it on for a server."""
 ROWS_FOLD_OFFSET = False
-"""Row-scale path, Gluon split kernel: value planes' code offset folded into the MMA's starting value
-(``decode_int2(fold_offset=...)``)."""
+"""Row-scale path, Gluon split kernel: each value plane's MMA starts from its rescaled sum less the tile's code
+offset (``decode_int2(fold_offset=...)``). Off: level alone on an H200 (commit a067547: bs50/100k 1134 µs against
+1123); with int8 scores 1004 against 1045 at bs50/100k but 36.6 against 35.1 at bs1/100k."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:

@@ -3,9 +3,9 @@ BF16 and FP8 KV caches, end to end through the HTTP server (the library behind `
 ``benchmarks/bench_e2e.py``: :mod:`.spec` what runs, :mod:`.server` one SGLang server, :mod:`.measure` the
 measurements, :mod:`.records` and :mod:`.render` what is kept and shown).
 
-Ran on an H200 on 2026-12-02 and 2026-12-03 (``benchmarks/RESULTS.md``): server facts, throughput (every fill) and
+Ran on an H200 on 2026-12-02 to 2026-12-04 (``benchmarks/RESULTS.md``): server facts, throughput (every fill) and
 latency of ``oscar``, ``flashinfer`` and ``flashinfer-fp8``, the admission run, and the profiles of ``oscar`` and
-``flashinfer`` BF16; ``triton`` / ``triton-fp8`` not through it (flashinfer is the faster backend there). Its parsing,
+``flashinfer`` BF16; throughput, profile and latency of ``oscar-int8``; ``triton`` / ``triton-fp8`` not through it (flashinfer is the faster backend there). Its parsing,
 records and rendering are tested on CPU over recorded sample data (``tests/test_cli_bench.py``, synthetic).
 Batch-1 latency points come after one unrecorded warm-up request (:data:`.measure.WARMUP_TOKENS`).
 
@@ -25,7 +25,8 @@ budget (``setup.rank_setup``) before any server starts.
 ``--context-length 131072``, ``--sampling-backend pytorch``, ``--load-format dummy``:
 ``oscar`` (``--attention-backend oscar --radix-cache-backend oscar`` through ``oscar_cli.serve.sglang.launch.
 build_launch``, ``--max-running-requests 64``), ``flashinfer`` (BF16, the baseline of every ratio),
-``flashinfer-fp8`` (``--kv-cache-dtype fp8_e4m3``), and on request ``triton`` / ``triton-fp8``. Baseline servers
+``flashinfer-fp8`` (``--kv-cache-dtype fp8_e4m3``), and on request ``oscar-int8`` (``oscar`` with ``oscar serve
+--int8-scores``: decode scores over the INT2 rows from int8 MMAs) and ``triton`` / ``triton-fp8``. Baseline servers
 run with ``SGLANG_PLUGINS=none`` (no plugin loaded: unmodified SGLang). Configurations run in that order
 (baselines first), so the BF16 batch is known when oscar runs.
 
