@@ -291,8 +291,8 @@ STEP_VARIANTS_INT8 = [
 group's rotated queries quantized to int8 (one scale), the key codes unpacked four per AND as ``16 c`` and
 multiplied by int8 MMAs (k = 32, half the MMAs), the int32 sums read as floats through a magic starting value;
 ``fold_offset``: each value plane's MMA starts from its rescaled sum less the tile's code offset. sm_90 SASS per tile
-and warp: 1,720 instructions (880 on the ALU pipe) by default, 1,614 with both (one int8 scale per head, commit
-a067547; 1,631 with one scale per GQA group, commit 78f4185)."""
+and warp: 1,712 instructions (~880 on the ALU pipe) by default, 1,644 with int8 scores, 1,614 with both (one int8
+scale per head, commit a067547; 1,631 with one scale per GQA group, commit 78f4185)."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
                 "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR, "async": STEP_VARIANTS_ASYNC,
                 "int8": STEP_VARIANTS_INT8}

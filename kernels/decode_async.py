@@ -267,9 +267,9 @@ def _decode_rows_async_kernel(
             async_copy.wait_group(STAGES - 1)  # this tile's group has landed (the later ones may be in flight)
             gl.thread_barrier()
             # ---- scores: s = s_k (q'.c) + z_k sum(q'), online softmax over the tile
-            ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
-            kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
             if Q8:
+                ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
+                kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
                 c0, c1, c2, c3 = _byte_planes_s8(k_ring.index(stage)._reinterpret(gl.int8, [BN, 2 * W], RING8)
                                                  .load(A_OP8))
                 qi = mma_v2(c0, p8_0, i_init)
@@ -287,6 +287,8 @@ def _decode_rows_async_kernel(
                 qc = mma_v2(k5, q5, qc)
                 qc = mma_v2(k6, q6, qc)
                 qc = mma_v2(k7, q7, qc)
+                ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
+                kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
                 s = qc * ksf + kzf * kz_q
             s = gl.where(gl.expand_dims(start + offs_r < hi, 1), s, float("-inf"))
             if Q8:
