@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import quantizer
 from .config import QuantScheme
-from .kvquant import LayerQuant, quantized_count, roundtrip
+from .kvquant import LayerQuant, quantize_rows, quantized_count, roundtrip
 from .models import attention_modules
 
 ATTN_NAME = "oscar_decode_equivalent"
@@ -154,6 +155,43 @@ def mixed_attention(
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``[..., d]`` rounded to int8 steps of ``max |x| / 127`` each (the decode kernel's int8-scores query)."""
+    step = x.abs().amax(-1, keepdim=True) / 127
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    return torch.round(x / step) * step
+
+
+def int8_query(q: torch.Tensor, r_k: torch.Tensor | None) -> torch.Tensor:
+    """``[q, round8(q R), q R]`` (``[B, Hq, T, 3d]``, fp32): the query against exact rows, then the rotated query
+    rounded to int8 and exact, against :func:`int8_keys`' code and zero parts of the INT2 rows. ``r_k`` ``[h, d, d]``
+    (h = 1 or the KV heads) or None."""
+    qf = q.float()
+    if r_k is None:
+        qr = qf
+    elif r_k.shape[0] == 1:
+        qr = qf @ r_k[0].to(qf.device)
+    else:
+        b, hq, t, d = qf.shape
+        h = r_k.shape[0]
+        qr = (qf.view(b, h, hq // h, t, d) @ r_k.to(qf.device)[None, :, None]).view(b, hq, t, d)
+    return torch.cat([qf, int8_rounded(qr), qr], -1)
+
+
+def int8_keys(rows: quantizer.QuantizedRows) -> torch.Tensor:
+    """INT2 key rows (rotated basis) as :func:`int8_query`'s INT2 part reads them: ``[0, k - z, z]``
+    (``[..., 3d]``, fp32), so the score is ``round8(q').(k - z) + q'.z``: the code term from the rounded query, the
+    zero term exact, as the kernel computes it."""
+    z = rows.zero.float().repeat_interleave(rows.group, -1)
+    k = quantizer.dequantize(rows)
+    return torch.cat([torch.zeros_like(k), k - z, z], -1)
+
+
+def int8_exact_keys(k: torch.Tensor) -> torch.Tensor:
+    """Exact rows ``[..., d]`` padded to :func:`int8_query`'s width: ``[k, 0, 0]``."""
+    return torch.cat([k, k.new_zeros(k.shape[:-1] + (2 * k.shape[-1],))], -1)
+
+
 def is_installed(model) -> bool:
     """True when ``model`` routes attention through :data:`ATTN_NAME`."""
     return getattr(model.config, "_attn_implementation", None) == ATTN_NAME
@@ -174,9 +212,13 @@ def decode_equivalent(
     qend = qstart + quantized_count(int(q_pos.max()) + 1, qstart, windows.recent, lq.token_block)
     if qend <= qstart:
         return mixed_attention(q, k, v, allowed, scaling)
-    k_rt = roundtrip(k[:, :, qstart:qend], lq, "k")
     v_rt = roundtrip(v[:, :, qstart:qend], lq, "v")
     use = rt_mask(q_pos, qstart, qend - qstart, sink_end, qstart, windows.recent, lq.token_block)
+    if lq.int8_scores:
+        k_rt = int8_keys(quantize_rows(k[:, :, qstart:qend], lq, "k"))
+        return mixed_attention(int8_query(q, lq.r_k).to(q.dtype), int8_exact_keys(k), v, allowed, scaling, k_rt,
+                               v_rt, use, qstart)
+    k_rt = roundtrip(k[:, :, qstart:qend], lq, "k")
     return mixed_attention(q, k, v, allowed, scaling, k_rt, v_rt, use, qstart)
 
 

@@ -152,18 +152,22 @@ class OscarLayer(DynamicLayer):
         if qend <= self.qstart:
             return attn.mixed_attention(query, k_ex, v_ex, allowed, scaling, k_pos=k_pos)
         # round trips over [qstart, qend): stored codes, then rows leaving the tail now
+        # (int8 scores: the INT2 rows' code and zero parts in the rotated basis, read by the int8-rounded query)
+        keys_of = attn.int8_keys if lq.int8_scores else (lambda rows: dequantize_rows(rows, lq, "k"))
         parts_k, parts_v = [], []
         if self.codes_k is not None:
-            parts_k.append(dequantize_rows(self.codes_k, lq, "k"))
+            parts_k.append(keys_of(self.codes_k))
             parts_v.append(dequantize_rows(self.codes_v, lq, "v"))
         lo = max(ts, self.qstart)
         new = None
         if qend > lo:
             new = self._pack(self.keys[:, :, lo - ts : qend - ts], self.values[:, :, lo - ts : qend - ts])
-            parts_k.append(dequantize_rows(new[0], lq, "k"))
+            parts_k.append(keys_of(new[0]))
             parts_v.append(dequantize_rows(new[1], lq, "v"))
         k_rt, v_rt = torch.cat(parts_k, 2), torch.cat(parts_v, 2)
         use = attn.rt_mask(q_pos, self.qstart, qend - self.qstart, self.sink_end, self.qstart, w.recent, lq.token_block)
+        if lq.int8_scores:
+            query, k_ex = attn.int8_query(query, lq.r_k).to(query.dtype), attn.int8_exact_keys(k_ex)
         out = attn.mixed_attention(query, k_ex, v_ex, allowed, scaling, k_rt, v_rt, use, self.qstart, k_pos)
         if qend > ts:
             self._flush(ts, qend, new)

@@ -39,6 +39,8 @@ def kernel_ready(lq: LayerQuant | None, scheme: QuantScheme, head_dim: int, devi
         return "per-channel (KIVI) keys"
     if lq.bits != 2:
         return f"{lq.bits}-bit codes"
+    if lq.int8_scores:
+        return "int8 scores (the kernels' prefill path has no int8 variant; the reference attention emulates it)"
     return scheme.kernel_support(head_dim, device_type)
 
 

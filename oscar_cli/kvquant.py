@@ -35,6 +35,9 @@ class LayerQuant:
     clip_v: torch.Tensor
     key_axis: str = "token"
     key_group: int = 0
+    int8_scores: bool = False
+    """Scores over INT2 keys from each query rounded to int8 in the rotated basis (the decode kernel's
+    ``int8_scores``): emulated by :func:`oscar_cli.attention.mixed_attention`'s ``int8`` inputs."""
 
     @property
     def token_block(self) -> int:
@@ -85,7 +88,8 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
             ck, cv = lr.clip_k.float(), lr.clip_v.float()
         else:
             ck, cv = torch.full((h,), method.clip[0]), torch.full((h,), method.clip[1])
-        out.append(LayerQuant(scheme.bits, group, lr.r_k.float(), lr.r_v.float(), ck, cv))
+        out.append(LayerQuant(scheme.bits, group, lr.r_k.float(), lr.r_v.float(), ck, cv,
+                              int8_scores=method.int8_scores))
     return out
 
 

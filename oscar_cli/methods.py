@@ -54,6 +54,7 @@ class Method:
     group: int = 0
     own_windows: tuple[int, int] | None = None
     backend: str | None = None
+    int8_scores: bool = False
     arg: str | None = None
     help: str = ""
 
@@ -88,6 +89,9 @@ METHODS: dict[str, Method] = {
         Method("oscar", "quant", None, rotation="artifact", clip=None,
                help="artifact rotations + fitted clip, at the artifact's scheme (@REF)"),
         Method("oscar-noclip", "quant", None, rotation="artifact", help="artifact rotations, no clip (@REF)"),
+        Method("oscar-int8", "quant", None, rotation="artifact", clip=None, int8_scores=True,
+               help="oscar with scores over INT2 keys from int8-rounded queries, as `oscar serve --int8-scores` "
+                    "decodes (@REF)"),
         Method("hf-quantized", "hf", 2, backend="auto", help="transformers QuantizedCache, HQQ or quanto, 2 bits"),
         Method("hf-hqq", "hf", 2, backend="hqq", help="transformers QuantizedCache, HQQ backend, 2 bits"),
         Method("hf-quanto", "hf", 2, backend="quanto", help="transformers QuantizedCache, quanto backend, 2 bits"),

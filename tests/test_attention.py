@@ -56,6 +56,49 @@ def test_decode_equivalent_matches_brute_force_with_left_padding(name):
     assert (out[0, 20:] - exact[0, 20:]).abs().max() > 1e-3  # quantization is visible in the middle
 
 
+def test_int8_scores_match_a_brute_force_of_the_kernel_definition():
+    """With ``int8_scores`` a query's score over an INT2 key is ``round8(q R).(k' - z) + (q R).z`` (``k'`` the
+    dequantised rotated key, ``z`` its zero, ``round8`` each head's rotated query to steps of max / 127: the decode
+    kernel's ``int8_scores`` and ``decode_int2_ref(int8_scores=True)``); exact keys keep the exact query."""
+    import dataclasses
+
+    from oscar_cli.kvquant import quantize_rows
+    from oscar_cli.quantizer import dequantize
+
+    g = torch.Generator().manual_seed(5)
+    B, n, d = 1, 30, 16
+    q, k, v = (torch.randn(B, h, n, d, generator=g) * 2 for h in (4, 2, 2))
+    lq = dataclasses.replace(lq_for("int2-hadamard-clip", 1, d, 2)[0], int8_scores=True)
+    w = Windows(sink=2, recent=5)
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None]
+    out = attn.decode_equivalent(q, k, v, allowed, 1 / math.sqrt(d), lq, w)
+    rows = quantize_rows(k, lq, "k")
+    kr = dequantize(rows)  # rotated basis
+    z = rows.zero.float().repeat_interleave(rows.group, -1)
+    v_rt = roundtrip(v, lq, "v")
+    r = lq.r_k[0]
+    ref = torch.zeros(B, n, 4, d)
+    for t in range(n):
+        for h in range(4):
+            kh = h // 2
+            qr = q[0, h, t] @ r
+            q8 = attn.int8_rounded(qr)
+            s, vals = [], []
+            for j in range(t + 1):
+                if w.sink <= j <= t - w.recent:
+                    s.append(q8 @ (kr[0, kh, j] - z[0, kh, j]) + qr @ z[0, kh, j])
+                    vals.append(v_rt[0, kh, j])
+                else:
+                    s.append(q[0, h, t] @ k[0, kh, j])
+                    vals.append(v[0, kh, j])
+            p = torch.softmax(torch.stack(s) / math.sqrt(d), 0)
+            ref[0, t, h] = p @ torch.stack(vals)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    plain = attn.decode_equivalent(q, k, v, allowed, 1 / math.sqrt(d), dataclasses.replace(lq, int8_scores=False), w)
+    assert (out - plain).abs().max() > 1e-4  # the rounding is visible
+    torch.testing.assert_close(out, plain, atol=0.25, rtol=0.25)
+
+
 def test_recent_covering_everything_is_exact():
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, h, 30, 16, generator=g) for h in (4, 2, 2))

@@ -1,5 +1,7 @@
 """OscarCache on a tiny random-weight Llama (token ids, no tokenizer): exactness, decode equivalence, padding, bytes."""
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import build_llama
@@ -28,8 +30,11 @@ def ids(b, n, seed=0):
 
 
 def quants(name, layers=2):
-    m = get_method(name)
-    return build_layer_quants(m, scheme_for(m, D), layers, D, 2)
+    """``NAME+int8``: the method's layers with int8 scores (what ``oscar-int8`` does to an artifact's layers)."""
+    base, _, int8 = name.partition("+")
+    m = get_method(base)
+    out = build_layer_quants(m, scheme_for(m, D), layers, D, 2)
+    return [dataclasses.replace(lq, int8_scores=True) for lq in out] if int8 else out
 
 
 def test_recent_covering_sequence_gives_dynamic_cache_tokens():
@@ -45,19 +50,19 @@ def test_recent_covering_sequence_gives_dynamic_cache_tokens():
     assert all(layer.codes_k is None for layer in cache.layers)
 
 
-@pytest.mark.parametrize("name", ["int2-hadamard-clip", "int2-kivi"])
+@pytest.mark.parametrize("name", ["int2-hadamard-clip", "int2-kivi", "int2-hadamard-clip+int8"])
 def test_prefill_and_decode_steps_equal_decode_equivalent_attention(name):
     """Prefill through the cache quantizes as a decoder would, and every decode step's attention equals the
     teacher-forced decode-equivalent attention at that position."""
     model = tiny_llama()
-    w = scheme_for(get_method(name), D, windows=Windows(3, 6))  # KIVI keeps its own windows (0 / 128)
+    w = scheme_for(get_method(name.partition("+")[0]), D, windows=Windows(3, 6))  # KIVI: its own windows (0 / 128)
     q = quants(name)
     prompt, steps = ids(1, 150 if name == "int2-kivi" else 40), 12
     kw = cache_kwarg(model)
     captured = []
     hook = model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(lambda m, a: captured.append(a[0]))
     with torch.no_grad():
-        cache = make_cache(model, get_method(name), q, w)
+        cache = make_cache(model, get_method(name.partition("+")[0]), q, w)
         out = model(prompt, **{kw: cache}, use_cache=True)
         logits, seq = [out.logits], prompt
         for _ in range(steps):

@@ -29,6 +29,8 @@ def test_registry_has_required_methods():
     assert "int4-oscar" not in METHODS  # the artifact's scheme decides the width of `oscar`
     assert get_method("int2-hadamard-clip@0.9/0.8").clip == (0.9, 0.8)
     assert get_method("oscar@v3").arg == "v3"
+    q8 = get_method("oscar-int8@v2")
+    assert q8.int8_scores and q8.arg == "v2" and q8.clip is None and not get_method("oscar").int8_scores
     assert [m.name for m in parse_methods("bf16, int2-naive,bf16")] == ["bf16", "int2-naive"]
 
 

@@ -39,7 +39,8 @@ def eval_cmd(
                                               "niah_multikey_2/3, oscar_niah, or any lm-eval task. [oscar_ppl]")] = None,
     methods: Annotated[str | None, typer.Option("--methods", help="Comma-separated KV methods (oscar_cli.methods): "
                                                 "bf16, int2-naive, int2-kivi, int2-hadamard[-clip], oscar[@REF], "
-                                                "oscar-noclip, int4-*, hf-quantized. REF: latest, vN, a path, or "
+                                                "oscar-noclip, oscar-int8 (int8-rounded queries over INT2 keys), "
+                                                "int4-*, hf-quantized. REF: latest, vN, a path, or "
                                                 "fit:METHOD[+per-head] (newest artifact of that fit method). "
                                                 "[bf16,int2-naive,int2-hadamard,oscar]")] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help=f"Model spec (see oscar collect). [{DEFAULT_MODEL}]")] = None,
