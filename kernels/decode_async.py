@@ -78,6 +78,12 @@ def _byte_planes_s8(x):
 
 
 @gluon.jit
+def _round_s8(x):
+    """fp32 within [-127.5, 127.5] -> int8, rounded half away from zero."""
+    return (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
+
+
+@gluon.jit
 def _issue_tile(K_WORDS, V_WORDS, k_dst, v_dst, slot, valid, kvh, offs_w, stride_kws, stride_kwh, stride_vws,
                 stride_vwh, ROWS: gl.constexpr, OFF64: gl.constexpr):
     """``cp.async`` of one tile's key and value code words (rows ``slot``) into one stage, as one commit group;
@@ -200,7 +206,8 @@ def _decode_rows_async_kernel(
         qoff = gl.convert_layout(gl.sum(qsum, 0), COL) * OFF
         offs_d = gl.arange(0, D, layout=ROW)
         q_rows = QN + b * stride_qnb + gl.expand_dims(heads * stride_qnh, 0)
-        qtot = gl.sum(gl.load(q_rows + gl.expand_dims(offs_d, 1), mask=gl.expand_dims(mask_h, 0), other=0.0), 0)
+        qa = gl.load(q_rows + gl.expand_dims(offs_d, 1), mask=gl.expand_dims(mask_h, 0), other=0.0)  # [D, H]
+        qtot = gl.sum(qa, 0)
         s_init = gl.zeros([BN, BLOCK_H], gl.float32, MMA) - gl.expand_dims(qoff, 0)
         kz_q = gl.expand_dims(qtot, 0)
         if Q8:
@@ -209,7 +216,6 @@ def _decode_rows_async_kernel(
             # as 16 c, so q'.c = g n with g = scale / 16 and n = q8 . 16c, summed exactly in int32 and read through
             # the magic float's bits. Scores are kept in units of g per head (inner = s / g: two fused multiply-adds
             # per element) and scaled back where the softmax subtracts the running max
-            qa = gl.load(q_rows + gl.expand_dims(offs_d, 1), mask=gl.expand_dims(mask_h, 0), other=0.0)
             amax = gl.max(gl.abs(qa), 0)
             amax = gl.where(amax > 0.0, amax, 1.0)
             gq = amax / (127.0 * 16.0)
@@ -219,14 +225,10 @@ def _decode_rows_async_kernel(
             qb = QN + b * stride_qnb + gl.expand_dims((kvh * GQA + offs_bh) * stride_qnh, 0) \
                 + gl.expand_dims(offs_bk, 1)
             mb = gl.expand_dims(offs_bh < GQA, 0)
-            x = gl.load(qb + 0 * D4, mask=mb, other=0.0) * inv
-            p8_0 = (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
-            x = gl.load(qb + 1 * D4, mask=mb, other=0.0) * inv
-            p8_1 = (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
-            x = gl.load(qb + 2 * D4, mask=mb, other=0.0) * inv
-            p8_2 = (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
-            x = gl.load(qb + 3 * D4, mask=mb, other=0.0) * inv
-            p8_3 = (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
+            p8_0 = _round_s8(gl.load(qb + 0 * D4, mask=mb, other=0.0) * inv)
+            p8_1 = _round_s8(gl.load(qb + 1 * D4, mask=mb, other=0.0) * inv)
+            p8_2 = _round_s8(gl.load(qb + 2 * D4, mask=mb, other=0.0) * inv)
+            p8_3 = _round_s8(gl.load(qb + 3 * D4, mask=mb, other=0.0) * inv)
             kz_g = gl.expand_dims(qtot / gq, 0)  # a token's zero term in units of g
             g2 = gl.expand_dims(gq, 0)
             i_init = gl.full([BN, BLOCK_H], MAGIC_I, gl.int32, MMA)

@@ -1496,8 +1496,8 @@ def decode_int2(
             words copied into shared memory with ``cp.async`` while a tile computes; ``num_stages`` 2 or 3 sets its
             shared-memory stages) where it covers the launch (:func:`~oscar_kernels.decode_async.usable`, no other
             row-scale variant asked for); ``ROWS_ASYNC``.
-        int8_scores: with ``async_tiles``: the scores from int8 tensor-core products (``ROWS_INT8_SCORES``): the
-            group's rotated queries quantized to int8 with one scale, the key codes unpacked four to an ALU
+        int8_scores: with ``async_tiles``: the scores from int8 tensor-core products (``ROWS_INT8_SCORES``): each
+            head's rotated query quantized to int8 with its own scale, the key codes unpacked four to an ALU
             instruction (three shifts and four ANDs per sixteen codes against eight LOP3s and a shift), half the
             MMAs (k = 32).
         fold_offset: with ``async_tiles``: each value plane's MMA starts from its rescaled sum less the tile's code
@@ -1672,7 +1672,9 @@ def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_s
         k = cached_rows_ref(cache.k, cache.k_bf16, *lists, b)
         v = cached_rows_ref(cache.v, cache.v_bf16, *lists, b)
         n_int2 = int(index.kv_indptr[b + 1] - index.kv_indptr[b])
-        zero = cache.k.zero[index.kv_indices[index.kv_indptr[b]:index.kv_indptr[b + 1]].long()]
+        if int8_scores:  # the INT2 rows' zeros, per element
+            zero = cache.k.zero[index.kv_indices[index.kv_indptr[b]:index.kv_indptr[b + 1]].long()].float() \
+                .repeat_interleave(cache.k.group_size, -1)  # [n_int2, Hkv, d]
         for h in range(hq):
             kh = h // gqa
             qr = q[b, h].float() @ rk[kh]
@@ -1680,7 +1682,7 @@ def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_s
             if int8_scores:
                 step = qr.abs().max() / 127
                 step = step if step > 0 else step.new_tensor(1.0)
-                z = zero[:, kh].float().repeat_interleave(cache.k.group_size, -1)  # [n_int2, d]
+                z = zero[:, kh]
                 s[:n_int2] = (k[:n_int2, kh] - z) @ (torch.round(qr / step) * step) + z @ qr
             p = torch.softmax(s * sm_scale, dim=0)
             out[b, h] = (p @ v[:, kh]) @ rv[kh].T

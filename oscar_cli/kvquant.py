@@ -37,7 +37,8 @@ class LayerQuant:
     key_group: int = 0
     int8_scores: bool = False
     """Scores over INT2 keys from each query rounded to int8 in the rotated basis (the decode kernel's
-    ``int8_scores``): emulated by :func:`oscar_cli.attention.mixed_attention`'s ``int8`` inputs."""
+    ``int8_scores``), emulated through :func:`oscar_cli.attention.int8_query` and :func:`~oscar_cli.attention.
+    int8_keys`."""
 
     @property
     def token_block(self) -> int:

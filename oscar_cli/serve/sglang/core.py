@@ -129,8 +129,8 @@ class OscarAttention:
         self.kv = kv
         self.req_to_token = req_to_token
         self.max_seq_len = req_to_token.shape[1]
-        tuning = {"int8_scores": True} if int8_scores else {}
-        self.decode = DecodePlan(kv.pool, max_batch, self.max_seq_len, q_heads=q_heads, sm_scale=sm_scale, **tuning)
+        self.decode = DecodePlan(kv.pool, max_batch, self.max_seq_len, q_heads=q_heads, sm_scale=sm_scale,
+                                 int8_scores=int8_scores)
         self.extend = ExtendPlan(kv.pool, max_batch, max_tokens, self.max_seq_len, sm_scale=sm_scale)
         self._restore: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
