@@ -293,9 +293,20 @@ multiplied by int8 MMAs (k = 32, half the MMAs), the int32 sums read as floats t
 ``fold_offset``: each value plane's MMA starts from its rescaled sum less the tile's code offset. sm_90 SASS per tile
 and warp: 1,712 instructions (~880 on the ALU pipe) by default, 1,644 with int8 scores, 1,614 with both (one int8
 scale per head, commit a067547; 1,631 with one scale per GQA group, commit 78f4185)."""
+STEP_VARIANTS_INT8_VALUES = [
+    ("default", {}),
+    ("int8 scores", dict(int8_scores=True)),
+    ("int8 values", dict(int8_values=True)),
+    ("int8 scores and values", dict(int8_scores=True, int8_values=True)),
+]
+"""``--variants --set int8-values``: the value side of the Gluon split kernel on int8 MMAs as well
+(``int8_values``): probabilities rounded to int8 steps per tile and head, value codes regrouped four tokens to a
+register by two PRMTs per 32 codes and unpacked four to an AND, half the value MMAs, no code offset. sm_90 SASS per
+tile and warp (bs50 launch): 1,712 instructions (898 on the ALU pipe) by default, 1,644 (766) with int8 scores,
+1,615 (823) with int8 values, 1,507 (693) with both."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
                 "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR, "async": STEP_VARIANTS_ASYNC,
-                "int8": STEP_VARIANTS_INT8}
+                "int8": STEP_VARIANTS_INT8, "int8-values": STEP_VARIANTS_INT8_VALUES}
 """Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out). The sets measured
 before ``balance`` became the default (all but ``balance``) ran with three exact programs for every sequence; run
 them with ``balance=False`` added to compare."""

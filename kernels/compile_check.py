@@ -184,8 +184,9 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
         dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
         # the Triton split kernel where the Gluon one runs by default (Triton 3.6), the Gluon one with three
-        # shared-memory stages and with int8 scores and the value offset folded
-        for tune in (dict(async_tiles=False), dict(num_stages=3), dict(int8_scores=True, fold_offset=True)):
+        # shared-memory stages, with int8 scores and the value offset folded, and with int8 scores and values
+        for tune in (dict(async_tiles=False), dict(num_stages=3), dict(int8_scores=True, fold_offset=True),
+                     dict(int8_scores=True, int8_values=True)):
             dec = DecodePlan(pool, 2, 128, q_heads=hq, **tune)
             dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
             dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))

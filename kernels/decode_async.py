@@ -70,6 +70,53 @@ _BYTE_PLANES_S8 = gl.constexpr(
 moved to bits 4-5, i.e. ``16 c``: three shifts and four ANDs per sixteen codes."""
 
 
+_VALUE_PLANES_S8 = gl.constexpr(
+    "{ .reg .b32 l, h; "
+    "prmt.b32 l, $8, $9, 0x6420; prmt.b32 h, $8, $9, 0x7531; "
+    "and.b32 $0, l, 0x03030303; and.b32 $1, l, 0x0c0c0c0c; shr.b32 l, l, 4; "
+    "and.b32 $2, l, 0x03030303; and.b32 $3, l, 0x0c0c0c0c; "
+    "and.b32 $4, h, 0x03030303; and.b32 $5, h, 0x0c0c0c0c; shr.b32 h, h, 4; "
+    "and.b32 $6, h, 0x03030303; and.b32 $7, h, 0x0c0c0c0c; }"
+)
+"""PTX, four value code words (int16: tokens 2t, 2t + 1 in one register, 2t + 8, 2t + 9 in the next, one word
+column) -> their low bytes and their high bytes gathered into one register each (two PRMTs), then eight int8
+outputs, four per byte, each plane ``j`` where ``x & 0x03`` / ``x & 0x0c`` of the byte or of it shifted by 4
+finds it (``c``, ``4 c``, ``c``, ``4 c`` for planes 0-3): two PRMTs, two shifts and eight ANDs per 32 codes."""
+_LOW_BYTES = gl.constexpr("prmt.b32 $0, $1, $2, 0x6420;")
+"""PTX: the low bytes of four half-words (two registers) into one register."""
+
+
+@gluon.jit
+def _value_planes_s8(x):
+    """int16 value words in the ``VX`` layout -> eight int8 tensors (same layout, element for element): the low
+    byte's planes 0-3 as ``c, 4c, c, 4c``, then the high byte's."""
+    return gl.inline_asm_elementwise(_VALUE_PLANES_S8, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [x], dtype=(gl.int8,) * 8,
+                                     is_pure=True, pack=4)
+
+
+@gluon.jit
+def _low_bytes(x):
+    """fp16 ``1024 + n`` (``0 <= n < 256``) -> int8 ``n`` (bits), four elements per PRMT."""
+    return gl.inline_asm_elementwise(_LOW_BYTES, "=r,r,r", [x], dtype=gl.int8, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _by_quads(x, dim: gl.constexpr):
+    """Relabel the token axis ``dim`` (of 16-token blocks) of an MMA operand: token ``16 h + 8 c + 2 t + b`` ->
+    ``16 h + 4 t + 2 c + b``. A thread of the fp16 operand layouts holds tokens ``2t, 2t + 1, 2t + 8, 2t + 9`` of
+    each block; relabelled, those are ``4t .. 4t + 3``, which is what a thread of the 8-bit operand layouts holds. So
+    a 16-bit-layout tensor's int8 values, relabelled, are the 8-bit operand as is (no data moves); the product over
+    tokens is the same when both operands are relabelled alike."""
+    if dim == 1:
+        R: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        return gl.reshape(gl.permute(gl.reshape(x, [R, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [R, N])
+    else:
+        N: gl.constexpr = x.shape[0]
+        C: gl.constexpr = x.shape[1]
+        return gl.reshape(gl.permute(gl.reshape(x, [N // 16, 2, 4, 2, C]), (0, 2, 1, 3, 4)), [N, C])
+
+
 @gluon.jit
 def _byte_planes_s8(x):
     """int8 code bytes -> four int8 tensors ``16 c`` (planes j = 0..3 of each byte)."""
@@ -127,7 +174,7 @@ def _decode_rows_async_kernel(
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     GQA: gl.constexpr, BLOCK_H: gl.constexpr, OFF64: gl.constexpr, PER_SEQ_EXACT: gl.constexpr,
-    STAGES: gl.constexpr, Q8: gl.constexpr, FOLD: gl.constexpr,
+    STAGES: gl.constexpr, Q8: gl.constexpr, FOLD: gl.constexpr, V8: gl.constexpr,
 ):
     D: gl.constexpr = HEAD_DIM
     W: gl.constexpr = D // 8
@@ -153,6 +200,13 @@ def _decode_rows_async_kernel(
     MAGIC_F: gl.constexpr = 12582912.0
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+    # A_OP's elements of a [d/8, BN] value tile with the registers ordered so that each pair holds tokens 2t, 2t+1
+    # (one register) and 2t+8, 2t+9 (the next) of one word column, as _value_planes_s8 takes them
+    VX: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 8], [8, 0], [0, 16], [0, 32], [0, 64]],
+                                                  [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [], [], [W, BN])
+    VR1: gl.constexpr = 0.25 if V8 else R1  # the value planes' scales at the store (int8 planes: c, 4c, c, 4c)
+    VR2: gl.constexpr = 1.0 if V8 else R2
+    VR3: gl.constexpr = 0.25 if V8 else R3
 
     b = gl.program_id(0)
     kvh = gl.program_id(1)
@@ -293,43 +347,90 @@ def _decode_rows_async_kernel(
                 kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
                 s = qc * ksf + kzf * kz_q
             s = gl.where(gl.expand_dims(start + offs_r < hi, 1), s, float("-inf"))
-            if Q8:
-                m_new = gl.maximum(m_i, gl.max(s, 0) * gq)
-                p = gl.exp2(s * g2 - gl.expand_dims(m_new, 0))
+            if V8:
+                # int8 values: probabilities relative to each head's tile maximum (p / max_t p = 2**(s - max s)),
+                # times the token's value scale over the tile's largest, rounded to int8 steps of 1/127 (one fused
+                # multiply-add onto fp16's 1024, whose low byte is then the integer); the value planes' int8 codes
+                # (c or 4c) against them in k = 32 MMAs summed exactly in int32 from the magic start, scaled back
+                # per head by 2**(max s - m) * max_t vs / 127 into the fp32 plane accumulators
+                if Q8:
+                    tm = gl.max(s, 0) * gq
+                    p = gl.exp2(s * g2 - gl.expand_dims(tm, 0))
+                else:
+                    tm = gl.max(s, 0)
+                    p = gl.exp2(s - gl.expand_dims(tm, 0))
+                m_new = gl.maximum(m_i, tm)
+                e = gl.exp2(tm - m_new)
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + e * gl.sum(p, 0)
+                m_i = m_new
+                vsv = vs.to(gl.float32)
+                vmax = gl.max(vsv, 0)
+                vinv = gl.where(vmax > 0.0, 127.0 / vmax, 0.0)
+                vsc = gl.expand_dims(gl.convert_layout(vsv * vinv, ROW), 1)
+                vzf = gl.expand_dims(gl.convert_layout(vz, ROW).to(gl.float32), 1)
+                pz = pz * alpha + e * gl.sum(p * vzf, 0)
+                p16 = gl.convert_layout((p * vsc + OFF).to(gl.float16), B_OP)
+                pb8 = gl.convert_layout(_by_quads(_low_bytes(p16), 0), B_OP8, assert_trivial=True)
+                scb = gl.expand_dims(e * (vmax / 127.0), 0)
+                al = gl.expand_dims(alpha, 0)
+                u0, u1, u2, u3, u4, u5, u6, u7 = _value_planes_s8(
+                    gl.convert_layout(v_ring.index(stage).permute((1, 0)).load(A_OP), VX, assert_trivial=True))
+                vi = gl.full([W, BLOCK_H], MAGIC_I, gl.int32, MMA)
+                a0 = a0 * al + (mma_v2(gl.convert_layout(_by_quads(u0, 1), A_OP8, assert_trivial=True), pb8,
+                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
+                a1 = a1 * al + (mma_v2(gl.convert_layout(_by_quads(u1, 1), A_OP8, assert_trivial=True), pb8,
+                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
+                a2 = a2 * al + (mma_v2(gl.convert_layout(_by_quads(u2, 1), A_OP8, assert_trivial=True), pb8,
+                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
+                a3 = a3 * al + (mma_v2(gl.convert_layout(_by_quads(u3, 1), A_OP8, assert_trivial=True), pb8,
+                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
+                a4 = a4 * al + (mma_v2(gl.convert_layout(_by_quads(u4, 1), A_OP8, assert_trivial=True), pb8,
+                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
+                a5 = a5 * al + (mma_v2(gl.convert_layout(_by_quads(u5, 1), A_OP8, assert_trivial=True), pb8,
+                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
+                a6 = a6 * al + (mma_v2(gl.convert_layout(_by_quads(u6, 1), A_OP8, assert_trivial=True), pb8,
+                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
+                a7 = a7 * al + (mma_v2(gl.convert_layout(_by_quads(u7, 1), A_OP8, assert_trivial=True), pb8,
+                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
             else:
-                m_new = gl.maximum(m_i, gl.max(s, 0))
-                p = gl.exp2(s - gl.expand_dims(m_new, 0))
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, 0)
-            m_i = m_new
-            # ---- values: sum_t (p_t s_t) c_t into the plane accumulators, sum_t p_t z_t into pz
-            vsf = gl.expand_dims(gl.convert_layout(vs, ROW).to(gl.float32), 1)
-            vzf = gl.expand_dims(gl.convert_layout(vz, ROW).to(gl.float32), 1)
-            ps = (p * vsf).to(gl.float16)
-            pz = pz * alpha + gl.sum(p * vzf, 0)
-            off_t = gl.expand_dims(OFF * gl.sum(ps.to(gl.float32), 0), 0)
-            pb = gl.convert_layout(ps, B_OP)
-            al = gl.expand_dims(alpha, 0)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(v_ring.index(stage).permute((1, 0)).load(A_OP))
-            if FOLD:  # the tensor cores start each plane from its rescaled sum less this tile's offset
-                a0 = mma_v2(v0, pb, a0 * al - off_t)
-                a1 = mma_v2(v1, pb, a1 * al - off_t)
-                a2 = mma_v2(v2, pb, a2 * al - off_t)
-                a3 = mma_v2(v3, pb, a3 * al - off_t)
-                a4 = mma_v2(v4, pb, a4 * al - off_t)
-                a5 = mma_v2(v5, pb, a5 * al - off_t)
-                a6 = mma_v2(v6, pb, a6 * al - off_t)
-                a7 = mma_v2(v7, pb, a7 * al - off_t)
-            else:
-                zero = gl.zeros([W, BLOCK_H], gl.float32, MMA)
-                a0 = a0 * al + (mma_v2(v0, pb, zero) - off_t)
-                a1 = a1 * al + (mma_v2(v1, pb, zero) - off_t)
-                a2 = a2 * al + (mma_v2(v2, pb, zero) - off_t)
-                a3 = a3 * al + (mma_v2(v3, pb, zero) - off_t)
-                a4 = a4 * al + (mma_v2(v4, pb, zero) - off_t)
-                a5 = a5 * al + (mma_v2(v5, pb, zero) - off_t)
-                a6 = a6 * al + (mma_v2(v6, pb, zero) - off_t)
-                a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
+                if Q8:
+                    m_new = gl.maximum(m_i, gl.max(s, 0) * gq)
+                    p = gl.exp2(s * g2 - gl.expand_dims(m_new, 0))
+                else:
+                    m_new = gl.maximum(m_i, gl.max(s, 0))
+                    p = gl.exp2(s - gl.expand_dims(m_new, 0))
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, 0)
+                m_i = m_new
+                # ---- values: sum_t (p_t s_t) c_t into the plane accumulators, sum_t p_t z_t into pz
+                vsf = gl.expand_dims(gl.convert_layout(vs, ROW).to(gl.float32), 1)
+                vzf = gl.expand_dims(gl.convert_layout(vz, ROW).to(gl.float32), 1)
+                ps = (p * vsf).to(gl.float16)
+                pz = pz * alpha + gl.sum(p * vzf, 0)
+                off_t = gl.expand_dims(OFF * gl.sum(ps.to(gl.float32), 0), 0)
+                pb = gl.convert_layout(ps, B_OP)
+                al = gl.expand_dims(alpha, 0)
+                v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(v_ring.index(stage).permute((1, 0)).load(A_OP))
+                if FOLD:  # the tensor cores start each plane from its rescaled sum less this tile's offset
+                    a0 = mma_v2(v0, pb, a0 * al - off_t)
+                    a1 = mma_v2(v1, pb, a1 * al - off_t)
+                    a2 = mma_v2(v2, pb, a2 * al - off_t)
+                    a3 = mma_v2(v3, pb, a3 * al - off_t)
+                    a4 = mma_v2(v4, pb, a4 * al - off_t)
+                    a5 = mma_v2(v5, pb, a5 * al - off_t)
+                    a6 = mma_v2(v6, pb, a6 * al - off_t)
+                    a7 = mma_v2(v7, pb, a7 * al - off_t)
+                else:
+                    zero = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+                    a0 = a0 * al + (mma_v2(v0, pb, zero) - off_t)
+                    a1 = a1 * al + (mma_v2(v1, pb, zero) - off_t)
+                    a2 = a2 * al + (mma_v2(v2, pb, zero) - off_t)
+                    a3 = a3 * al + (mma_v2(v3, pb, zero) - off_t)
+                    a4 = a4 * al + (mma_v2(v4, pb, zero) - off_t)
+                    a5 = a5 * al + (mma_v2(v5, pb, zero) - off_t)
+                    a6 = a6 * al + (mma_v2(v6, pb, zero) - off_t)
+                    a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
             stage = (stage + 1) % STAGES
         async_copy.wait_group(0)  # nothing left in flight when the program ends
         inv_l, lse = _finish_split(m_i, l_i)
@@ -339,7 +440,7 @@ def _decode_rows_async_kernel(
         o_rows = PART_O + b * stride_pob + gl.expand_dims(heads * stride_poh, 0) + split * stride_pos \
             + 2 * gl.expand_dims(offs_ow, 1)
         mh = gl.expand_dims(mask_h, 0)
-        _store_planes(o_rows, a0, a1, a2, a3, a4, a5, a6, a7, il, zt, mh, D4, R1, R2, R3)
+        _store_planes(o_rows, a0, a1, a2, a3, a4, a5, a6, a7, il, zt, mh, D4, VR1, VR2, VR3)
         gl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
     elif split < num_splits + num_exact:
         # ---------------- exact (BF16) program: rows x heads, natural element order ----------------

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import LayerCache, cached_rows_ref, check_index, check_query, check_seq, gpu_codegen
+from .layout import LayerCache, cached_rows_ref, check_index, check_query, check_seq, dequantize_ref, gpu_codegen
 from .scheme import cuda_head_dim_refusal
 
 LOG2E = math.log2(math.e)
@@ -224,6 +224,13 @@ ROWS_FOLD_OFFSET = False
 """Row-scale path, Gluon split kernel: each value plane's MMA starts from its rescaled sum less the tile's code
 offset (``decode_int2(fold_offset=...)``). Off: level alone on an H200 (commit a067547: bs50/100k 1134 µs against
 1123); with int8 scores 1004 against 1045 at bs50/100k but 36.6 against 35.1 at bs1/100k."""
+ROWS_INT8_VALUES = False
+"""Row-scale path, Gluon split kernel: the INT2 rows' value products from int8 MMAs (``decode_int2(int8_values=
+...)``, defined by ``decode_int2_ref(int8_values=True)``): each tile's probabilities relative to each head's tile
+maximum, times the token's value scale over the tile's largest, rounded to int8 steps of 1/127; the value codes
+regrouped four tokens to a register (two PRMTs per thirty-two codes: the value ring's rows are filled in the
+``_ring_rows`` order that makes the fp16 operand's registers the int8 operand's) and unpacked four to an AND, half
+the value MMAs (k = 32), no code offset."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
@@ -1462,6 +1469,7 @@ def decode_int2(
     async_tiles: bool = ROWS_ASYNC,
     int8_scores: bool = ROWS_INT8_SCORES,
     fold_offset: bool = ROWS_FOLD_OFFSET,
+    int8_values: bool = ROWS_INT8_VALUES,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -1502,6 +1510,9 @@ def decode_int2(
             MMAs (k = 32).
         fold_offset: with ``async_tiles``: each value plane's MMA starts from its rescaled sum less the tile's code
             offset (``ROWS_FOLD_OFFSET``; one fused multiply per element instead of a subtract and a multiply-add).
+        int8_values: with ``async_tiles``: the INT2 rows' value products from int8 tensor-core products
+            (``ROWS_INT8_VALUES``): each tile's probabilities rounded to int8 steps of 1/127 of each head's tile
+            maximum times the token's value scale over the tile's largest; ``fold_offset`` does not apply.
         exact_quarters: row-scale path: the exact split reads and multiplies its rows a quarter of the head dim at a
             time (202 registers instead of 233 for the kernel at d = 128 with 32-row exact tiles, sink 64 / recent
             256: more resident programs; measured slower on an H200, commit f70fdbc: RESULTS.md).
@@ -1601,7 +1612,8 @@ def decode_int2(
         if gluon:
             decode_async._decode_rows_async_kernel[(bsz, hkv, parts)](
                 *args, GQA=gqa, BLOCK_H=block_h, OFF64=cache.off64, PER_SEQ_EXACT=per_seq_exact,
-                STAGES=num_stages or decode_async.STAGES, Q8=bool(int8_scores), FOLD=bool(fold_offset), num_warps=1,
+                STAGES=num_stages or decode_async.STAGES, Q8=bool(int8_scores), FOLD=bool(fold_offset),
+                V8=bool(int8_values), num_warps=1,
                 **cap,
             )
         else:
@@ -1654,14 +1666,39 @@ def decode_int2(
     return out
 
 
+VALUE_TILE = 128
+"""``int8_values``: INT2 rows per tile of the variant's definition (the Gluon kernel's; splits cover whole tiles)."""
+
+
+def int8_value_weights(s: torch.Tensor, scale: torch.Tensor, m: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """``int8_values``' weights of the INT2 rows' codes (in place of ``exp(s - m) * scale``): for each
+    ``VALUE_TILE`` rows of scores ``s`` (natural log units, fp32 ``[n]``) and value scales ``scale`` (``[n]``),
+    ``round(exp(s - max s) * scale * 127 / max scale) * max scale / 127 * exp(max s - m)``, i.e. each probability
+    times its scale, rounded to int8 steps of 1/127 of the tile's largest probability times its largest scale."""
+    w = torch.zeros_like(s)
+    for t in range(0, s.numel(), VALUE_TILE):
+        st, vs = s[t:t + VALUE_TILE], scale[t:t + VALUE_TILE].float()
+        tm, vmax = st.max(), vs.max()
+        if vmax > 0:
+            n = torch.round(torch.exp(st - tm) * (vs * (127.0 / vmax)))
+            w[t:t + VALUE_TILE] = n * (vmax / 127.0) * torch.exp(tm - m)
+    return w
+
+
 def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_scale: float | None = None,
-                    int8_scores: bool = False) -> torch.Tensor:
+                    int8_scores: bool = False, int8_values: bool = False) -> torch.Tensor:
     """Plain fp32 torch definition of :func:`decode_int2` (split counts do not change the result); returns fp32
     ``[B, Hq, d]``. ``int8_scores``: that variant's definition: the INT2 rows' code terms ``scale * (c . q')`` use
     each head's rotated query rounded to int8 steps of ``max |q'| / 127``; their zero terms ``zero * sum(q')`` and
-    the exact rows' scores use it as is."""
+    the exact rows' scores use it as is. ``int8_values`` (row scales only): the INT2 rows' value code terms
+    ``p * scale * c`` weigh each code by :func:`int8_value_weights` instead (tiles of ``VALUE_TILE`` rows from the
+    start of the sequence's INT2 list); their zero terms ``p * zero``, the exact rows and the softmax's sum use the
+    probabilities as they are."""
     bsz, hq, d = q.shape
     hkv = cache.kv_heads
+    if int8_values and cache.v.group_size != d:
+        raise ValueError(f"int8_values is defined for one value scale per row (group size {d}), "
+                         f"got group size {cache.v.group_size}")
     gqa = hq // hkv
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     rk = cache.rot_k.float().expand(hkv, d, d)
@@ -1672,9 +1709,13 @@ def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_s
         k = cached_rows_ref(cache.k, cache.k_bf16, *lists, b)
         v = cached_rows_ref(cache.v, cache.v_bf16, *lists, b)
         n_int2 = int(index.kv_indptr[b + 1] - index.kv_indptr[b])
+        sl = index.kv_indices[index.kv_indptr[b]:index.kv_indptr[b + 1]].long()
         if int8_scores:  # the INT2 rows' zeros, per element
-            zero = cache.k.zero[index.kv_indices[index.kv_indptr[b]:index.kv_indptr[b + 1]].long()].float() \
-                .repeat_interleave(cache.k.group_size, -1)  # [n_int2, Hkv, d]
+            zero = cache.k.zero[sl].float().repeat_interleave(cache.k.group_size, -1)  # [n_int2, Hkv, d]
+        if int8_values:  # the INT2 rows' value codes, their scales and zeros
+            vc = dequantize_ref(cache.v.codes[sl], torch.ones_like(cache.v.scale[sl]),
+                                torch.zeros_like(cache.v.zero[sl]), d)  # [n_int2, Hkv, d]
+            vsc, vz = cache.v.scale[sl][..., 0].float(), cache.v.zero[sl][..., 0].float()  # [n_int2, Hkv]
         for h in range(hq):
             kh = h // gqa
             qr = q[b, h].float() @ rk[kh]
@@ -1684,6 +1725,14 @@ def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_s
                 step = step if step > 0 else step.new_tensor(1.0)
                 z = zero[:, kh]
                 s[:n_int2] = (k[:n_int2, kh] - z) @ (torch.round(qr / step) * step) + z @ qr
+            if int8_values:
+                sn = s * sm_scale
+                m = sn.max()
+                p = torch.exp(sn - m)
+                w = int8_value_weights(sn[:n_int2], vsc[:, kh], m)
+                o = w @ vc[:, kh] + p[:n_int2] @ vz[:, kh, None].expand(-1, d) + p[n_int2:] @ v[n_int2:, kh]
+                out[b, h] = (o / p.sum()) @ rv[kh].T
+                continue
             p = torch.softmax(s * sm_scale, dim=0)
             out[b, h] = (p @ v[:, kh]) @ rv[kh].T
     return out

@@ -23,8 +23,10 @@ from oscar_kernels import (
 from oscar_kernels.decode_int2 import (
     EXACT_ROWS_PER_TILE,
     EXACT_SPLIT_ROWS,
+    VALUE_TILE,
     balance_count,
     balance_counts,
+    int8_value_weights,
     merge_chunk_for,
     merge_warps,
     split_count,
@@ -388,8 +390,9 @@ def test_decode_async_tiles(layout, monkeypatch):
     reference answer on ragged lengths (an empty INT2 part, single-tile and many-tile splits, a split count over
     ``max_splits`` with per-sequence exact programs), pools in both layouts and with 64-bit offsets, poisoned
     workspace and out, and agrees with the Triton split kernel, also with int8 scores (queries quantized to int8)
-    and the value offset folded into the MMAs, alone and together under the large-batch register cap; where it does
-    not cover the launch (the
+    and the value offset folded into the MMAs, alone and together under the large-batch register cap, and with int8
+    values (alone, and with int8 scores under the cap) against their definitions; where it does not cover the launch
+    (the
     interpreter, other row-scale variants, d = 64) the Triton kernel runs and the answer is the same."""
     if layout == "int64":
         monkeypatch.setattr(layout_module, "OFFSET64", 1)
@@ -404,19 +407,22 @@ def test_decode_async_tiles(layout, monkeypatch):
                            torch.tensor([1, 3, 2, 1], dtype=torch.int32, device=DEVICE))]
     for index in indexes:
         ref = decode_int2_ref(q, lists.cache, index)
-        ref8 = decode_int2_ref(q, lists.cache, index, int8_scores=True)
+        refs = {(s8, v8): decode_int2_ref(q, lists.cache, index, int8_scores=s8, int8_values=v8)
+                for s8 in (False, True) for v8 in (False, True)}
         outs = []
         for knobs in (dict(async_tiles=True), dict(async_tiles=False), dict(async_tiles=True, num_stages=3),
                       dict(async_tiles=True, peel=True), dict(async_tiles=True, int8_scores=True),
                       dict(async_tiles=True, fold_offset=True),
-                      dict(async_tiles=True, int8_scores=True, fold_offset=True, max_registers=168)):
+                      dict(async_tiles=True, int8_scores=True, fold_offset=True, max_registers=168),
+                      dict(async_tiles=True, int8_values=True),
+                      dict(async_tiles=True, int8_scores=True, int8_values=True, max_registers=168)):
             ws = decode_workspace(q.shape[0], q.shape[1], d, index.max_splits, DEVICE, index.exact_splits)
             for t in ws:
                 t.fill_(float("nan"))
             out = torch.full(q.shape, float("nan"), device=DEVICE)
             decode_int2(q, lists.cache, index, workspace=ws, out=out, **knobs)
             assert torch.isfinite(out).all()
-            want = ref8 if knobs.get("int8_scores") and ON_GPU else ref
+            want = refs[(bool(knobs.get("int8_scores")), bool(knobs.get("int8_values")))] if ON_GPU else ref
             torch.testing.assert_close(out, want, **TOL)
             assert rel_err(out, want) <= MAX_REL
             outs.append(out)
@@ -448,6 +454,49 @@ def test_decode_ref_int8_scores_rounds_only_the_int2_rows_query():
     ref, ref8 = decode_int2_ref(q, cache, index), decode_int2_ref(q, cache, index, int8_scores=True)
     assert not torch.equal(ref, ref8)
     torch.testing.assert_close(ref8, ref, atol=0.1, rtol=0.1)
+
+
+def test_int8_value_weights_round_each_tile_to_its_own_steps():
+    """The int8-values weights: a tile whose probabilities times scales sit on its grid (steps of 1/127 of its
+    largest) keeps them exactly; otherwise each weight is off by at most half a step of its own tile's grid, tiles
+    of ``VALUE_TILE`` rows counted from the list's start, and a tile of zero scales weighs nothing."""
+    gen = torch.Generator().manual_seed(43)
+    n = VALUE_TILE * 2 + 40
+    s = torch.randn(n, generator=gen) * 3
+    scale = torch.rand(n, generator=gen) + 0.1
+    exact = torch.exp(s) * scale
+    w = int8_value_weights(s, scale)
+    for t in range(0, n, VALUE_TILE):
+        step = torch.exp(s[t:t + VALUE_TILE].max()) * scale[t:t + VALUE_TILE].max() / 127
+        assert (w[t:t + VALUE_TILE] - exact[t:t + VALUE_TILE]).abs().max() <= 0.5 * step * (1 + 1e-5)
+    assert not torch.equal(w, exact)
+    grid = torch.randint(1, 128, (n,), generator=gen).float()
+    grid[::VALUE_TILE] = 127
+    on = int8_value_weights(torch.zeros(n), grid / 127 * 3.0)
+    torch.testing.assert_close(on, grid / 127 * 3.0, rtol=1e-6, atol=0)
+    torch.testing.assert_close(int8_value_weights(s, scale, m=2.0), w * math.exp(-2.0), rtol=1e-5, atol=0)
+    assert not int8_value_weights(s[:10], torch.zeros(10)).any()
+
+
+def test_decode_ref_int8_values_changes_only_the_int2_rows_code_terms():
+    """The int8-values reference: with equal scores and scales in every tile (all weights on the grid) it is the
+    plain reference; with random ones nearby but different; row scales only."""
+    gen = torch.Generator().manual_seed(47)
+    lists = make_cache([300, 9], [6, 3], 2, 32, 32, gen)
+    c = lists.cache
+    index = lists.index(1)
+    q0 = torch.zeros(2, 4, 32, device=DEVICE)  # every score 0: one probability for all rows
+    flat = Int2Pool(c.v.codes, torch.full_like(c.v.scale, 0.5), c.v.zero, c.v.group_size)
+    cache = LayerCache(c.k, flat, c.k_bf16, c.v_bf16, c.rot_k, c.rot_v, c.clip_k, c.clip_v)
+    torch.testing.assert_close(decode_int2_ref(q0, cache, index, int8_values=True), decode_int2_ref(q0, cache, index),
+                               atol=1e-5, rtol=1e-5)
+    q = torch.randn(2, 4, 32, generator=gen).to(DEVICE) * 2
+    ref, ref8 = decode_int2_ref(q, c, index), decode_int2_ref(q, c, index, int8_values=True)
+    assert not torch.equal(ref, ref8)
+    torch.testing.assert_close(ref8, ref, atol=0.05, rtol=0.05)
+    grouped = make_cache([20], [2], 2, 32, 16, gen)
+    with pytest.raises(ValueError, match="int8_values"):
+        decode_int2_ref(q[:1], grouped.cache, grouped.index(1), int8_values=True)
 
 
 def test_decode_row_kernel_needs_row_scales():
