@@ -55,7 +55,8 @@ def test_variants_table_has_a_row_per_variant_and_is_appended(bench, tmp_path, m
 def test_named_variant_sets_are_chosen_by_set(bench):
     assert bench.parse_args(["--variants", "--set", "write-peel"]).variant_set == "write-peel"
     assert bench.parse_args(["--variants", "--l2"]).l2 and bench.parse_args([]).variant_set is None
-    assert set(bench.VARIANT_SETS) == {"l2", "write-peel", "one-wave", "balance", "pair", "async", "int8"}
+    assert set(bench.VARIANT_SETS) == {"l2", "write-peel", "one-wave", "balance", "pair", "async", "int8",
+                                        "int8-values"}
     assert bench.parse_args(["--variants", "--set", "async"]).variant_set == "async"
     assert bench.parse_args(["--variants", "--set", "int8"]).variant_set == "int8"
     with pytest.raises(SystemExit):
