@@ -298,6 +298,9 @@ STEP_VARIANTS_INT8_VALUES = [
     ("int8 scores", dict(int8_scores=True)),
     ("int8 values", dict(int8_values=True)),
     ("int8 scores and values", dict(int8_scores=True, int8_values=True)),
+    ("int8 scores and values, maxnreg 128", dict(int8_scores=True, int8_values=True, max_registers=128)),
+    ("int8 scores and values, maxnreg 192", dict(int8_scores=True, int8_values=True, max_registers=192)),
+    ("int8 scores and values, 3 stages", dict(int8_scores=True, int8_values=True, num_stages=3)),
 ]
 """``--variants --set int8-values``: the value side of the Gluon split kernel on int8 MMAs as well
 (``int8_values``): probabilities rounded to int8 steps per tile and head, value codes regrouped four tokens to a
