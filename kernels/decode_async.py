@@ -299,6 +299,11 @@ def _decode_rows_async_kernel(
         a6 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
         a7 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
         offs_r = gl.arange(0, BN, layout=ROW)
+        if V8:  # each row's rounding offset: fp16 1024 - 1/2 plus the row's dither (bit-reversed row + 1/2) / 128
+            r = offs_r
+            rv = ((r & 1) << 6) | ((r & 2) << 4) | ((r & 4) << 2) | (r & 8) | ((r >> 2) & 4) | ((r >> 4) & 2) \
+                | ((r >> 6) & 1)
+            p_add = gl.expand_dims((OFF - 0.5) + (rv.to(gl.float32) + 0.5) * (1.0 / 128.0), 1)
         stage = 0
         for start in range(lo, hi, BN):
             ks, kz, vs, vz = ks_n, kz_n, vs_n, vz_n
@@ -349,8 +354,9 @@ def _decode_rows_async_kernel(
             s = gl.where(gl.expand_dims(start + offs_r < hi, 1), s, float("-inf"))
             if V8:
                 # int8 values: probabilities relative to each head's tile maximum (p / max_t p = 2**(s - max s)),
-                # times the token's value scale over the tile's largest, rounded to int8 steps of 1/127 (one fused
-                # multiply-add onto fp16's 1024, whose low byte is then the integer); the value planes' int8 codes
+                # times the token's value scale over the tile's largest, in int8 steps of 1/127 rounded down after
+                # adding the row's dither (one fused multiply-add onto fp16's 1024 - 1/2 + dither, whose low byte
+                # is then the integer: no bias from the many small probabilities); the value planes' int8 codes
                 # (c or 4c) against them in k = 32 MMAs summed exactly in int32 from the magic start, scaled back
                 # per head by 2**(max s - m) * max_t vs / 127 into the fp32 plane accumulators
                 if Q8:
@@ -370,7 +376,7 @@ def _decode_rows_async_kernel(
                 vsc = gl.expand_dims(gl.convert_layout(vsv * vinv, ROW), 1)
                 vzf = gl.expand_dims(gl.convert_layout(vz, ROW).to(gl.float32), 1)
                 pz = pz * alpha + e * gl.sum(p * vzf, 0)
-                p16 = gl.convert_layout((p * vsc + OFF).to(gl.float16), B_OP)
+                p16 = gl.convert_layout((p * vsc + p_add).to(gl.float16), B_OP)
                 pb8 = gl.convert_layout(_by_quads(_low_bytes(p16), 0), B_OP8, assert_trivial=True)
                 scb = gl.expand_dims(e * (vmax / 127.0), 0)
                 al = gl.expand_dims(alpha, 0)

@@ -1670,17 +1670,30 @@ VALUE_TILE = 128
 """``int8_values``: INT2 rows per tile of the variant's definition (the Gluon kernel's; splits cover whole tiles)."""
 
 
+def value_dither(n: int = VALUE_TILE) -> torch.Tensor:
+    """``int8_values``' rounding dither of a tile's rows ``0..n-1``: ``(bitreverse7(r) + 1/2) / 128``, in [0, 1), so
+    that rounding down after adding it is unbiased over a tile (plain rounding would drop every probability under
+    half a step: a few percent of a sharp head's mass)."""
+    r = torch.arange(n)
+    rev = torch.zeros_like(r)
+    for b in range(7):
+        rev |= ((r >> b) & 1) << (6 - b)
+    return (rev.float() + 0.5) / 128
+
+
 def int8_value_weights(s: torch.Tensor, scale: torch.Tensor, m: torch.Tensor | float = 0.0) -> torch.Tensor:
     """``int8_values``' weights of the INT2 rows' codes (in place of ``exp(s - m) * scale``): for each
     ``VALUE_TILE`` rows of scores ``s`` (natural log units, fp32 ``[n]``) and value scales ``scale`` (``[n]``),
-    ``round(exp(s - max s) * scale * 127 / max scale) * max scale / 127 * exp(max s - m)``, i.e. each probability
-    times its scale, rounded to int8 steps of 1/127 of the tile's largest probability times its largest scale."""
+    ``floor(exp(s - max s) * scale * 127 / max scale + u) * max scale / 127 * exp(max s - m)`` with ``u`` the row's
+    :func:`value_dither`, i.e. each probability times its scale in int8 steps of 1/127 of the tile's largest
+    probability times its largest scale, rounded without bias."""
     w = torch.zeros_like(s)
+    dither = value_dither().to(s.device)
     for t in range(0, s.numel(), VALUE_TILE):
         st, vs = s[t:t + VALUE_TILE], scale[t:t + VALUE_TILE].float()
         tm, vmax = st.max(), vs.max()
         if vmax > 0:
-            n = torch.round(torch.exp(st - tm) * (vs * (127.0 / vmax)))
+            n = torch.floor(torch.exp(st - tm) * (vs * (127.0 / vmax)) + dither[:st.numel()])
             w[t:t + VALUE_TILE] = n * (vmax / 127.0) * torch.exp(tm - m)
     return w
 
