@@ -715,6 +715,10 @@ def test_server_argv_goes_through_build_launch_and_keeps_baselines_plugin_free(q
     assert json.loads(dict(zip(q8[3::2], q8[4::2], strict=False))["--json-model-override-args"])["oscar"][
         "int8_scores"] is True and env_q8["SGLANG_PLUGINS"] == "oscar"
     assert json.loads(flags["--json-model-override-args"])["oscar"]["int8_scores"] is False
+    pv, _ = d.server_argv(d.CONFIGS["oscar-int8-pv"], cfg, model, art, tmp_path / "p")
+    pv_settings = json.loads(dict(zip(pv[3::2], pv[4::2], strict=False))["--json-model-override-args"])["oscar"]
+    assert pv_settings["int8_scores"] is True and pv_settings["int8_values"] is True
+    assert json.loads(flags["--json-model-override-args"])["oscar"]["int8_values"] is False
     bf16, _ = d.server_argv(d.CONFIGS["triton"], cfg, model, None, tmp_path / "p")
     assert "--kv-cache-dtype" not in bf16
     with pytest.raises(ServeRefusal, match="--kv-cache-dtype"):  # the plugin's own refusal, through build_launch

@@ -42,6 +42,10 @@ def serve_cmd(
     int8_scores: Annotated[bool, typer.Option("--int8-scores", help="SGLang engine: decode scores over the INT2 "
                                               "cache from int8 tensor-core products (each head's rotated query "
                                               "rounded to int8): faster at large batches, slightly less exact.")] = False,
+    int8_values: Annotated[bool, typer.Option("--int8-values", help="SGLang engine: decode value products over the "
+                                              "INT2 cache from int8 tensor-core products (probabilities rounded "
+                                              "to int8 steps per tile): faster at large batches, slightly less "
+                                              "exact.")] = False,
     store: StoreOpt = DEFAULT_STORE,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics) on a model with an
@@ -56,14 +60,15 @@ def serve_cmd(
         raise OscarError(f"--engine {engine!r}: choose auto, sglang or transformers")
     cfg = ServeConfig(host=host, port=port, model_id=served_name, max_queue=max_queue, max_context=max_context)
     chosen = pick_engine(engine)
-    if chosen == "transformers" and int8_scores:
-        raise OscarError("--int8-scores is an SGLang engine option (its CUDA decode kernel); drop it or pass "
-                         "--engine sglang")
+    for flag, on in (("--int8-scores", int8_scores), ("--int8-values", int8_values)):
+        if chosen == "transformers" and on:
+            raise OscarError(f"{flag} is an SGLang engine option (its CUDA decode kernel); drop it or pass "
+                             "--engine sglang")
     if chosen == "transformers" and extra:
         raise OscarError(f"extra engine arguments ({' '.join(extra)}) are for --engine sglang; the transformers "
                          "engine takes none (drop the part after --)")
     if chosen == "sglang":
-        _run_sglang(model, artifact, store, cfg, extra, int8_scores)
+        _run_sglang(model, artifact, store, cfg, extra, int8_scores, int8_values)
     else:
         _run_transformers(model, artifact, store, cfg)
 
@@ -156,7 +161,8 @@ def _signals_noted(seen: list[int]):
             signal.signal(s, h)
 
 
-def _run_sglang(model: str, artifact: str | None, store: Path, cfg, extra: list[str], int8_scores: bool = False) -> None:
+def _run_sglang(model: str, artifact: str | None, store: Path, cfg, extra: list[str], int8_scores: bool = False,
+                int8_values: bool = False) -> None:
     try:
         from ..serve.sglang.launch import build_launch
     except ImportError as e:
@@ -174,7 +180,7 @@ def _run_sglang(model: str, artifact: str | None, store: Path, cfg, extra: list[
         raise OscarError("--engine sglang serves an artifact's INT2 cache: pass --artifact latest|vN|PATH")
     art = load_artifact(path, _fingerprint(model, store, folder))
     argv, env = build_launch(str(folder) if folder is not None else model, path, cfg.host, cfg.port, extra,
-                             int8_scores=int8_scores)
+                             int8_scores=int8_scores, int8_values=int8_values)
     s = art.scheme
     console.print(f"serving {slug} (oscar, artifact {art.name}, INT{s.bits} group {s.group or 'head dim'}, sink "
                   f"{s.sink}, recent {s.recent}) at {cfg.url} (engine sglang)", highlight=False, soft_wrap=True)

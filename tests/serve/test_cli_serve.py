@@ -78,9 +78,9 @@ def test_sglang_without_its_launch_module_says_so(monkeypatch):
 def test_sglang_execs_what_build_launch_returns(monkeypatch, word_model, serve_store, word_artifact):
     calls: dict = {}
 
-    def build_launch(model_path, artifact, host, port, extra, int8_scores=False):
+    def build_launch(model_path, artifact, host, port, extra, int8_scores=False, int8_values=False):
         calls["build"] = (model_path, artifact, host, port, extra)
-        calls["int8"] = int8_scores
+        calls["int8"] = int8_scores or int8_values
         return ["/bin/sglang-server", "--model-path", model_path], {"SGLANG_PLUGINS": "oscar"}
 
     def execvpe(file, argv, env):
@@ -104,11 +104,12 @@ def test_sglang_execs_what_build_launch_returns(monkeypatch, word_model, serve_s
                      r"\(engine sglang\)", r.output), r.output
 
 
-def test_int8_scores_reach_build_launch_and_are_sglang_only(monkeypatch, word_model, serve_store):
+@pytest.mark.parametrize("flag", ["--int8-scores", "--int8-values"])
+def test_int8_options_reach_build_launch_and_are_sglang_only(monkeypatch, word_model, serve_store, flag):
     calls: dict = {}
 
-    def build_launch(model_path, artifact, host, port, extra, int8_scores=False):
-        calls["int8"] = int8_scores
+    def build_launch(model_path, artifact, host, port, extra, int8_scores=False, int8_values=False):
+        calls["int8"] = (int8_scores, int8_values)
         return ["/bin/sglang-server"], {}
 
     launch = types.ModuleType(LAUNCH)
@@ -116,12 +117,12 @@ def test_int8_scores_reach_build_launch_and_are_sglang_only(monkeypatch, word_mo
     monkeypatch.setitem(sys.modules, LAUNCH, launch)
     monkeypatch.setattr(os, "execvpe", lambda *a: (_ for _ in ()).throw(SystemExit(0)))
     r = invoke("--engine", "sglang", "--model", str(word_model), "--artifact", "latest", "--store", str(serve_store),
-               "--int8-scores")
+               flag)
     assert r.exit_code == 0, r.output
-    assert calls["int8"] is True
+    assert calls["int8"] == (flag == "--int8-scores", flag == "--int8-values")
     msg = one_line_error(invoke("--engine", "transformers", "--model", str(word_model), "--artifact", "latest",
-                                "--store", str(serve_store), "--int8-scores"))
-    assert "--int8-scores is an SGLang engine option" in msg and "--engine sglang" in msg
+                                "--store", str(serve_store), flag))
+    assert f"{flag} is an SGLang engine option" in msg and "--engine sglang" in msg
 
 
 def test_sglang_needs_an_artifact(monkeypatch, word_model, serve_store):

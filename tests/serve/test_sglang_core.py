@@ -190,6 +190,19 @@ def test_extend_and_padded_decode_match_reference_over_shared_prefix_slots():
     assert len(ptrs) == 1
 
 
+def test_int8_settings_reach_the_decode_plan():
+    """``OscarSettings.int8_scores`` / ``int8_values`` (through the plugin's ``OscarAttention``) become the decode
+    plan's kernel options; off by default."""
+    model = Model(seed=1, layers=1)
+    kv = model.kv(anchors=8, interval=0)
+    req_to_token = torch.zeros(REQS, MAX_POS, dtype=torch.int32)
+    plain = OscarAttention(kv, req_to_token, max_batch=REQS, max_tokens=64, q_heads=HQ)
+    assert not plain.decode.tuning["int8_scores"] and not plain.decode.tuning["int8_values"]
+    both = OscarAttention(kv, req_to_token, max_batch=REQS, max_tokens=64, q_heads=HQ, int8_scores=True,
+                          int8_values=True)
+    assert both.decode.tuning["int8_scores"] is True and both.decode.tuning["int8_values"] is True
+
+
 def test_chunked_extend_equals_one_extend_without_anchors():
     """A chunked-prefill continuation is not a first extend: with no anchor store at all the second chunk still reads
     the request's own region (and equals one extend of the whole prompt)."""

@@ -132,6 +132,8 @@ def test_settings_round_trip_through_the_override_json():
     assert read_settings('{"rope_theta": 1}') is None and read_settings(None) is None
     q8 = OscarSettings(artifact=Path("/a/v1"), int8_scores=True)
     assert read_settings(write_settings(q8)) == q8 and read_settings(write_settings(s)).int8_scores is False
+    pv = OscarSettings(artifact=Path("/a/v1"), int8_scores=True, int8_values=True)
+    assert read_settings(write_settings(pv)) == pv and read_settings(write_settings(q8)).int8_values is False
 
 
 @pytest.mark.parametrize("text, words", [
@@ -139,6 +141,7 @@ def test_settings_round_trip_through_the_override_json():
     ('{"oscar": {"anchors": 3}}', "at least"),
     ('{"oscar": {"artifact": "a", "anchors": -1}}', "non-negative"),
     ('{"oscar": {"artifact": "a", "int8_scores": 1}}', "int8_scores must be true or false"),
+    ('{"oscar": {"artifact": "a", "int8_values": "yes"}}', "int8_values must be true or false"),
     ("{oscar", "not valid JSON"),
     ("[1]", "JSON object"),
 ])

@@ -54,6 +54,10 @@ class OscarSettings:
     int8_scores: bool = False
     """Decode scores over INT2 rows from int8 MMAs (each head's rotated query rounded to int8 steps of
     ``max |q'| / 127``; ``oscar_kernels.decode_int2(int8_scores=...)``): faster at large batches, off by default."""
+    int8_values: bool = False
+    """Decode value products over INT2 rows from int8 MMAs (each tile's probabilities times value scales in int8
+    steps of 1/127 of its largest, rounded with a dither; ``oscar_kernels.decode_int2(int8_values=...)``): faster at
+    large batches, off by default."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "artifact", Path(self.artifact))
@@ -61,12 +65,14 @@ class OscarSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise SettingsError(f"oscar setting {name} must be a non-negative integer, got {v!r}")
-        if not isinstance(self.int8_scores, bool):
-            raise SettingsError(f"oscar setting int8_scores must be true or false, got {self.int8_scores!r}")
+        for name in ("int8_scores", "int8_values"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise SettingsError(f"oscar setting {name} must be true or false, got {v!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"artifact": str(self.artifact), "anchors": self.anchors, "anchor_interval": self.anchor_interval,
-                "int8_scores": self.int8_scores}
+                "int8_scores": self.int8_scores, "int8_values": self.int8_values}
 
     @classmethod
     def from_dict(cls, d: Any) -> OscarSettings:
