@@ -192,6 +192,87 @@ def int8_exact_keys(k: torch.Tensor) -> torch.Tensor:
     return torch.cat([k, k.new_zeros(k.shape[:-1] + (2 * k.shape[-1],))], -1)
 
 
+def int8_value_parts(rows: quantizer.QuantizedRows, lq: LayerQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """INT2 value rows (one scale per row) split as :func:`int8_values_attention` weighs them: the codes rotated back
+    to the model basis ``c R_V^T`` (fp32 ``[..., d]``), the scales ``[...]`` and the zero rows ``z 1 R_V^T``
+    (``[..., d]``); ``scale * codes + zeros`` is :func:`~oscar_cli.kvquant.dequantize_rows`."""
+    if rows.zero.shape[-1] != 1:
+        raise ValueError(f"int8 values need one value scale per row, got {rows.zero.shape[-1]} groups")
+    codes = quantizer.dequantize(quantizer.QuantizedRows(rows.codes, torch.ones_like(rows.scale),
+                                                         torch.zeros_like(rows.zero), rows.bits, rows.group))
+    zeros = rows.zero.float().expand(codes.shape)
+    if lq.r_v is not None:
+        rt = lq.r_v.to(codes.device).transpose(-1, -2)
+        codes, zeros = codes @ rt, zeros @ rt
+    return codes, rows.scale[..., 0].float(), zeros
+
+
+def _int8_value_weights(s: torch.Tensor, scale: torch.Tensor, m: torch.Tensor, first: int) -> torch.Tensor:
+    """:func:`oscar_kernels.decode_int2.int8_value_weights` over the last axis of scores ``s [..., L]`` (−inf where a
+    query does not read the INT2 row), value scales ``scale`` broadcastable to it and row maxima ``m [..., 1]``: the
+    INT2 list starts at column ``first`` (tiles of ``VALUE_TILE`` from there); each query's tile maximum and largest
+    scale over the rows it reads."""
+    from oscar_kernels.decode_int2 import VALUE_TILE, value_dither
+
+    s, scale = s[..., first:], scale.expand(s.shape)[..., first:]
+    n = s.shape[-1]
+    pad = -n % VALUE_TILE
+    st = F.pad(s, (0, pad), value=float("-inf")).unflatten(-1, (-1, VALUE_TILE))
+    vs = F.pad(scale, (0, pad)).unflatten(-1, (-1, VALUE_TILE))
+    read = st > float("-inf")
+    tm = st.amax(-1, keepdim=True)
+    vmax = torch.where(read, vs, torch.zeros_like(vs)).amax(-1, keepdim=True)
+    ok = read & (vmax > 0)
+    tm_safe = torch.where(tm > float("-inf"), tm, torch.zeros_like(tm))
+    vm_safe = torch.where(vmax > 0, vmax, torch.ones_like(vmax))
+    x = torch.exp(st - tm_safe) * (vs * (127.0 / vm_safe)) + value_dither(VALUE_TILE).to(s.device)
+    w = torch.floor(x) * (vm_safe / 127.0) * torch.exp(tm_safe - m.unsqueeze(-1))
+    w = torch.where(ok, w, torch.zeros_like(w)).flatten(-2)[..., :n]
+    return F.pad(w, (first, 0))
+
+
+def int8_values_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scaling: float, k_rt: torch.Tensor,
+    v_parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], use_rt: torch.Tensor, rt_start: int,
+    sink_end: torch.Tensor, k_pos: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`mixed_attention` with the round-tripped value rows read as the decode kernel's ``int8_values`` reads
+    them: each row's code term ``p * scale * (c R_V^T)`` weighed by :func:`oscar_kernels.decode_int2.
+    int8_value_weights` instead (per query and KV head: tiles of 128 INT2 rows from the row's first INT2 position
+    ``sink_end[b]``), its zero term ``p * (z 1 R_V^T)`` and the exact rows by the probabilities, the softmax's sum of
+    the probabilities. ``v_parts``: :func:`int8_value_parts` of the round trips (``[B, Hkv, L, ...]``). Explicit
+    scores instead of SDPA (memory ``O(chunk · n)`` per head)."""
+    vc, vs, vz = v_parts
+    n = allowed.shape[-1]
+    L = k_rt.shape[2]
+    ex_ok = allowed if k_pos is None else allowed.index_select(-1, k_pos)
+    sel = torch.zeros(allowed.shape[:-1] + (n,), dtype=torch.bool, device=allowed.device)
+    sel[..., rt_start : rt_start + L] = use_rt
+    ex_sel = sel if k_pos is None else sel.index_select(-1, k_pos)
+    ex_mask = ex_ok & ~ex_sel
+    rt_mask = allowed[..., rt_start : rt_start + L] & use_rt
+    none = ~(ex_mask.any(-1, keepdim=True) | rt_mask.any(-1, keepdim=True))
+    ex_mask = ex_mask | none  # fully masked (padding) queries: attend anywhere, stay finite
+    g = q.shape[1] // k.shape[1]
+    rep = (lambda t: t.repeat_interleave(g, 1)) if g > 1 else (lambda t: t)  # noqa: E731
+    kf, vf, krf, vcf, vzf = (rep(t.float()) for t in (k, v, k_rt, vc, vz))
+    vsf = rep(vs.float())[:, :, None, :]  # [B, Hq, 1, L]
+    outs = []
+    for s0 in range(0, q.shape[2], QUERY_CHUNK):
+        qc = q[:, :, s0 : s0 + QUERY_CHUNK].float()
+        s_ex = (qc @ kf.transpose(-1, -2)) * scaling
+        s_ex = s_ex.masked_fill(~ex_mask[:, :, s0 : s0 + QUERY_CHUNK], float("-inf"))
+        s_rt = (qc @ krf.transpose(-1, -2)) * scaling
+        s_rt = s_rt.masked_fill(~rt_mask[:, :, s0 : s0 + QUERY_CHUNK], float("-inf"))
+        m = torch.maximum(s_ex.amax(-1, keepdim=True), s_rt.amax(-1, keepdim=True))
+        p_ex, p_rt = torch.exp(s_ex - m), torch.exp(s_rt - m)
+        w = torch.cat([_int8_value_weights(s_rt[b : b + 1], vsf[b : b + 1], m[b : b + 1],
+                                           int(sink_end[b]) - rt_start) for b in range(q.shape[0])])
+        num = p_ex @ vf + w @ vcf + p_rt @ vzf
+        outs.append(num / (p_ex.sum(-1, keepdim=True) + p_rt.sum(-1, keepdim=True)))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous().to(q.dtype)
+
+
 def is_installed(model) -> bool:
     """True when ``model`` routes attention through :data:`ATTN_NAME`."""
     return getattr(model.config, "_attn_implementation", None) == ATTN_NAME
@@ -212,8 +293,16 @@ def decode_equivalent(
     qend = qstart + quantized_count(int(q_pos.max()) + 1, qstart, windows.recent, lq.token_block)
     if qend <= qstart:
         return mixed_attention(q, k, v, allowed, scaling)
-    v_rt = roundtrip(v[:, :, qstart:qend], lq, "v")
     use = rt_mask(q_pos, qstart, qend - qstart, sink_end, qstart, windows.recent, lq.token_block)
+    if lq.int8_values:
+        v_parts = int8_value_parts(quantize_rows(v[:, :, qstart:qend], lq, "v"), lq)
+        if lq.int8_scores:
+            q8, k8 = int8_query(q, lq.r_k), int8_exact_keys(k)
+            k_rt = int8_keys(quantize_rows(k[:, :, qstart:qend], lq, "k"))
+            return int8_values_attention(q8, k8, v, allowed, scaling, k_rt, v_parts, use, qstart, sink_end).to(q.dtype)
+        k_rt = roundtrip(k[:, :, qstart:qend], lq, "k")
+        return int8_values_attention(q, k, v, allowed, scaling, k_rt, v_parts, use, qstart, sink_end)
+    v_rt = roundtrip(v[:, :, qstart:qend], lq, "v")
     if lq.int8_scores:
         k_rt = int8_keys(quantize_rows(k[:, :, qstart:qend], lq, "k"))
         return mixed_attention(int8_query(q, lq.r_k).to(q.dtype), int8_exact_keys(k), v, allowed, scaling, k_rt,

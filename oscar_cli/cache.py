@@ -153,22 +153,32 @@ class OscarLayer(DynamicLayer):
             return attn.mixed_attention(query, k_ex, v_ex, allowed, scaling, k_pos=k_pos)
         # round trips over [qstart, qend): stored codes, then rows leaving the tail now
         # (int8 scores: the INT2 rows' code and zero parts in the rotated basis, read by the int8-rounded query)
+        # (int8 values: the INT2 rows' codes, scales and zeros apart, weighed as the kernel does)
         keys_of = attn.int8_keys if lq.int8_scores else (lambda rows: dequantize_rows(rows, lq, "k"))
+        values_of = (lambda rows: attn.int8_value_parts(rows, lq)) if lq.int8_values else \
+            (lambda rows: (dequantize_rows(rows, lq, "v"),))
         parts_k, parts_v = [], []
         if self.codes_k is not None:
             parts_k.append(keys_of(self.codes_k))
-            parts_v.append(dequantize_rows(self.codes_v, lq, "v"))
+            parts_v.append(values_of(self.codes_v))
         lo = max(ts, self.qstart)
         new = None
         if qend > lo:
             new = self._pack(self.keys[:, :, lo - ts : qend - ts], self.values[:, :, lo - ts : qend - ts])
             parts_k.append(keys_of(new[0]))
-            parts_v.append(dequantize_rows(new[1], lq, "v"))
-        k_rt, v_rt = torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+            parts_v.append(values_of(new[1]))
+        k_rt = torch.cat(parts_k, 2)
+        v_rt = tuple(torch.cat(p, 2) for p in zip(*parts_v, strict=True))
         use = attn.rt_mask(q_pos, self.qstart, qend - self.qstart, self.sink_end, self.qstart, w.recent, lq.token_block)
+        q_in = query
         if lq.int8_scores:
-            query, k_ex = attn.int8_query(query, lq.r_k).to(query.dtype), attn.int8_exact_keys(k_ex)
-        out = attn.mixed_attention(query, k_ex, v_ex, allowed, scaling, k_rt, v_rt, use, self.qstart, k_pos)
+            q_in, k_ex = attn.int8_query(query, lq.r_k), attn.int8_exact_keys(k_ex)
+        if lq.int8_values:
+            out = attn.int8_values_attention(q_in, k_ex, v_ex, allowed, scaling, k_rt, v_rt, use, self.qstart,
+                                             self.sink_end, k_pos).to(query.dtype)
+        else:
+            out = attn.mixed_attention(q_in.to(query.dtype), k_ex, v_ex, allowed, scaling, k_rt, v_rt[0], use,
+                                       self.qstart, k_pos)
         if qend > ts:
             self._flush(ts, qend, new)
         return out

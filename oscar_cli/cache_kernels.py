@@ -41,6 +41,8 @@ def kernel_ready(lq: LayerQuant | None, scheme: QuantScheme, head_dim: int, devi
         return f"{lq.bits}-bit codes"
     if lq.int8_scores:
         return "int8 scores (the kernels' prefill path has no int8 variant; the reference attention emulates it)"
+    if lq.int8_values:
+        return "int8 values (the kernels' prefill path has no int8 variant; the reference attention emulates it)"
     return scheme.kernel_support(head_dim, device_type)
 
 

@@ -39,6 +39,9 @@ class LayerQuant:
     """Scores over INT2 keys from each query rounded to int8 in the rotated basis (the decode kernel's
     ``int8_scores``), emulated through :func:`oscar_cli.attention.int8_query` and :func:`~oscar_cli.attention.
     int8_keys`."""
+    int8_values: bool = False
+    """The INT2 rows' value code terms weighed by probabilities rounded to int8 steps per 128-row tile (the decode
+    kernel's ``int8_values``; row scales only), emulated through :func:`oscar_cli.attention.int8_values_attention`."""
 
     @property
     def token_block(self) -> int:
@@ -61,6 +64,9 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
     if method.family == "hf":
         raise MethodError(f"{method.name} is a transformers QuantizedCache; it has no decode-equivalent attention")
     group = scheme.group_for(head_dim)
+    if method.int8_values and group != head_dim:
+        raise MethodError(f"{method.label} needs one value scale per row (group {head_dim}); the scheme's group is "
+                          f"{group}: drop the group override or use oscar-int8")
     one = torch.ones(1)
     if method.rotation == "none":
         base = LayerQuant(scheme.bits, group, None, None, one * method.clip[0], one * method.clip[1],
@@ -90,7 +96,7 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
         else:
             ck, cv = torch.full((h,), method.clip[0]), torch.full((h,), method.clip[1])
         out.append(LayerQuant(scheme.bits, group, lr.r_k.float(), lr.r_v.float(), ck, cv,
-                              int8_scores=method.int8_scores))
+                              int8_scores=method.int8_scores, int8_values=method.int8_values))
     return out
 
 

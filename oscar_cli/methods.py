@@ -55,6 +55,7 @@ class Method:
     own_windows: tuple[int, int] | None = None
     backend: str | None = None
     int8_scores: bool = False
+    int8_values: bool = False
     arg: str | None = None
     help: str = ""
 
@@ -92,6 +93,9 @@ METHODS: dict[str, Method] = {
         Method("oscar-int8", "quant", None, rotation="artifact", clip=None, int8_scores=True,
                help="oscar with scores over INT2 keys from int8-rounded queries, as `oscar serve --int8-scores` "
                     "decodes (@REF)"),
+        Method("oscar-int8-pv", "quant", None, rotation="artifact", clip=None, int8_scores=True, int8_values=True,
+               help="oscar-int8 with the INT2 rows' value products from probabilities rounded to int8 steps per "
+                    "128-row tile, as `oscar serve --int8-scores --int8-values` decodes (@REF; row scales)"),
         Method("hf-quantized", "hf", 2, backend="auto", help="transformers QuantizedCache, HQQ or quanto, 2 bits"),
         Method("hf-hqq", "hf", 2, backend="hqq", help="transformers QuantizedCache, HQQ backend, 2 bits"),
         Method("hf-quanto", "hf", 2, backend="quanto", help="transformers QuantizedCache, quanto backend, 2 bits"),

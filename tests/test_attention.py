@@ -99,6 +99,56 @@ def test_int8_scores_match_a_brute_force_of_the_kernel_definition():
     torch.testing.assert_close(out, plain, atol=0.25, rtol=0.25)
 
 
+@pytest.mark.parametrize("int8_scores", [False, True])
+def test_int8_values_match_the_kernel_definition_per_query(int8_scores):
+    """With ``int8_values`` each query's INT2 rows (from the first one after the sink, tiles of 128) weigh their
+    value codes by ``oscar_kernels.decode_int2.int8_value_weights`` of their scores and scales, their zeros and the
+    exact rows by the probabilities (the decode kernel's ``int8_values``); with ``int8_scores`` too the scores are
+    the int8 ones. Checked per query against that function over more than two tiles, with a left-padded row."""
+    import dataclasses
+
+    from oscar_kernels.decode_int2 import int8_value_weights
+
+    from oscar_cli.kvquant import quantize_rows
+
+    g = torch.Generator().manual_seed(7)
+    B, n, d = 2, 330, 16
+    q, k, v = (torch.randn(B, h, n, d, generator=g) * 2 for h in (4, 2, 2))
+    lq = dataclasses.replace(lq_for("int2-hadamard-clip", 1, d, 2)[0], int8_scores=int8_scores, int8_values=True)
+    w = Windows(sink=2, recent=5)
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None].repeat(B, 1, 1, 1)
+    allowed[1, :, :, :3] = False  # row 1 left-padded by 3: its sink and INT2 list start 3 later
+    out = attn.decode_equivalent(q, k, v, allowed, 1 / math.sqrt(d), lq, w)
+    plain = attn.decode_equivalent(q, k, v, allowed, 1 / math.sqrt(d), dataclasses.replace(lq, int8_values=False), w)
+    codes, scale, zeros = attn.int8_value_parts(quantize_rows(v, lq, "v"), lq)
+    v_rt = roundtrip(v, lq, "v")
+    q_sc, k_sc = (attn.int8_query(q, lq.r_k), attn.int8_exact_keys(k)) if int8_scores else (q, k)
+    k_rt = attn.int8_keys(quantize_rows(k, lq, "k")) if int8_scores else roundtrip(k, lq, "k")
+    ref = torch.zeros(B, n, 4, d)
+    for b in range(B):
+        first = 3 * b
+        for t in range(first, n, 7):
+            for h in range(4):
+                kh = h // 2
+                int2 = torch.arange(first + w.sink, max(first + w.sink, t + 1 - w.recent))
+                exact = torch.tensor([j for j in range(first, t + 1) if j not in set(int2.tolist())], dtype=torch.long)
+                s_ex = k_sc[b, kh, exact] @ q_sc[b, h, t] / math.sqrt(d)
+                s_rt = k_rt[b, kh, int2] @ q_sc[b, h, t] / math.sqrt(d)
+                m = torch.cat([s_ex, s_rt]).max()
+                p_ex, p_rt = torch.exp(s_ex - m), torch.exp(s_rt - m)
+                wt = int8_value_weights(s_rt, scale[b, kh, int2], m)
+                num = p_ex @ v[b, kh, exact] + wt @ codes[b, kh, int2] + p_rt @ zeros[b, kh, int2]
+                ref[b, t, h] = num / (p_ex.sum() + p_rt.sum())
+                if len(int2) == 0:
+                    torch.testing.assert_close(ref[b, t, h], plain[b, t, h], atol=1e-5, rtol=1e-5)
+                assert torch.allclose(p_rt @ (codes[b, kh, int2] * scale[b, kh, int2, None] + zeros[b, kh, int2])
+                                      , p_rt @ v_rt[b, kh, int2], atol=1e-3)
+        torch.testing.assert_close(out[b, first::7], ref[b, first::7], atol=1e-4, rtol=1e-4)
+    real = torch.cat([out[0], out[1, 3:]]), torch.cat([plain[0], plain[1, 3:]])  # padding queries: any finite
+    assert torch.isfinite(out).all() and (real[0] - real[1]).abs().max() > 1e-3  # the rounding is visible
+    assert (real[0] - real[1]).norm() / real[1].norm() < 0.05
+
+
 def test_recent_covering_everything_is_exact():
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, h, 30, 16, generator=g) for h in (4, 2, 2))

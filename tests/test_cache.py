@@ -30,11 +30,12 @@ def ids(b, n, seed=0):
 
 
 def quants(name, layers=2):
-    """``NAME+int8``: the method's layers with int8 scores (what ``oscar-int8`` does to an artifact's layers)."""
+    """``NAME+int8``: the method's layers with int8 scores (what ``oscar-int8`` does to an artifact's layers);
+    ``NAME+int8pv``: with int8 scores and values (``oscar-int8-pv``)."""
     base, _, int8 = name.partition("+")
     m = get_method(base)
     out = build_layer_quants(m, scheme_for(m, D), layers, D, 2)
-    return [dataclasses.replace(lq, int8_scores=True) for lq in out] if int8 else out
+    return [dataclasses.replace(lq, int8_scores=True, int8_values=int8 == "int8pv") for lq in out] if int8 else out
 
 
 def test_recent_covering_sequence_gives_dynamic_cache_tokens():
@@ -50,7 +51,8 @@ def test_recent_covering_sequence_gives_dynamic_cache_tokens():
     assert all(layer.codes_k is None for layer in cache.layers)
 
 
-@pytest.mark.parametrize("name", ["int2-hadamard-clip", "int2-kivi", "int2-hadamard-clip+int8"])
+@pytest.mark.parametrize("name", ["int2-hadamard-clip", "int2-kivi", "int2-hadamard-clip+int8",
+                                  "int2-hadamard-clip+int8pv"])
 def test_prefill_and_decode_steps_equal_decode_equivalent_attention(name):
     """Prefill through the cache quantizes as a decoder would, and every decode step's attention equals the
     teacher-forced decode-equivalent attention at that position."""

@@ -111,6 +111,11 @@ def test_backend_choice_and_refusals(monkeypatch):
     # head dim 32 runs in the interpreter; on CUDA the decode kernel refuses it, so `auto` there takes the reference
     assert kernel_ready(per_head_quants()[0], scheme, 32) is None
     assert "head dim >= 64" in kernel_ready(per_head_quants()[0], scheme, 32, "cuda")
+    import dataclasses
+
+    for flag, words in (("int8_scores", "int8 scores"), ("int8_values", "int8 values")):
+        lq = dataclasses.replace(per_head_quants()[0], **{flag: True})
+        assert words in kernel_ready(lq, scheme, 32) and "reference attention emulates it" in kernel_ready(lq, scheme, 32)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(OscarError, match="runs on CUDA tensors and the model is on cpu"):
         OscarCache(model, per_head_quants(), scheme, backend="kernels")

@@ -31,6 +31,16 @@ def test_registry_has_required_methods():
     assert get_method("oscar@v3").arg == "v3"
     q8 = get_method("oscar-int8@v2")
     assert q8.int8_scores and q8.arg == "v2" and q8.clip is None and not get_method("oscar").int8_scores
+    pv = get_method("oscar-int8-pv@v2")
+    assert pv.int8_scores and pv.int8_values and pv.arg == "v2" and not q8.int8_values
+
+
+def test_int8_values_need_row_scales():
+    from oscar_cli.config import QuantScheme
+    from oscar_cli.kvquant import build_layer_quants
+
+    with pytest.raises(OscarError, match="one value scale per row"):
+        build_layer_quants(get_method("oscar-int8-pv"), QuantScheme(group=32), 2, 64, 2)
     assert [m.name for m in parse_methods("bf16, int2-naive,bf16")] == ["bf16", "int2-naive"]
 
 

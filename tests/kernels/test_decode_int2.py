@@ -28,9 +28,9 @@ from oscar_kernels.decode_int2 import (
     balance_counts,
     int8_value_weights,
     merge_chunk_for,
-    value_dither,
     merge_warps,
     split_count,
+    value_dither,
 )
 from oscar_kernels.scheme import CUDA_MIN_HEAD_DIM
 
