@@ -227,10 +227,15 @@ offset (``decode_int2(fold_offset=...)``). Off: level alone on an H200 (commit a
 ROWS_INT8_VALUES = False
 """Row-scale path, Gluon split kernel: the INT2 rows' value products from int8 MMAs (``decode_int2(int8_values=
 ...)``, defined by ``decode_int2_ref(int8_values=True)``): each tile's probabilities relative to each head's tile
-maximum, times the token's value scale over the tile's largest, rounded to int8 steps of 1/127; the value codes
-regrouped four tokens to a register (two PRMTs per thirty-two codes: the value ring's rows are filled in the
-``_ring_rows`` order that makes the fp16 operand's registers the int8 operand's) and unpacked four to an AND, half
-the value MMAs (k = 32), no code offset."""
+maximum, times the token's value scale over the tile's largest, in int8 steps of 1/127; the value codes regrouped
+four tokens to a register (two PRMTs per 32 codes; the fp16 operand layout's token axis relabelled into the 8-bit
+one, no data moved) and unpacked four to an AND, half the value MMAs (k = 32), no code offset; the probabilities rounded down after a per-row dither (unbiased). Measured on an
+H200 (``bench_decode.py --variants --set int8-values``, commit 9a8a519, per layer): bs50/100k 1106 µs against 1196
+(1008 with int8 scores as well, 1119 with int8 scores alone), bs32/32k 262 / 244 against 280, bs1/100k 36.4 / 34.7
+against 36.9; end to end with int8 scores (``oscar bench`` configuration ``oscar-int8-pv``, commit a782139) 1,267
+tokens/s at bs50/100k. Off by default: 7-bit probabilities per tile change the output more than int8 scores (~3%
+relative against the exact reference on the kernel tests' sharp synthetic attention); ``oscar serve --int8-values``
+turns it on for a server, ``oscar eval`` method ``oscar-int8-pv`` measures it."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:

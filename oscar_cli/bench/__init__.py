@@ -5,7 +5,7 @@ measurements, :mod:`.records` and :mod:`.render` what is kept and shown).
 
 Ran on an H200 on 2026-12-02 to 2026-12-04 (``benchmarks/RESULTS.md``): server facts, throughput (every fill) and
 latency of ``oscar``, ``flashinfer`` and ``flashinfer-fp8``, the admission run, and the profiles of ``oscar`` and
-``flashinfer`` BF16; throughput, profile and latency of ``oscar-int8``; ``triton`` / ``triton-fp8`` not through it (flashinfer is the faster backend there). Its parsing,
+``flashinfer`` BF16; throughput, profile and latency of ``oscar-int8`` and ``oscar-int8-pv``; ``triton`` / ``triton-fp8`` not through it (flashinfer is the faster backend there). Its parsing,
 records and rendering are tested on CPU over recorded sample data (``tests/test_cli_bench.py``, synthetic).
 Batch-1 latency points come after one unrecorded warm-up request (:data:`.measure.WARMUP_TOKENS`).
 
