@@ -118,6 +118,16 @@ def _by_quads(x, dim: gl.constexpr):
 
 
 @gluon.jit
+def _plane_int8(acc, al, codes, pb8, start, scale, A_OP8: gl.constexpr):
+    """One value plane's accumulator after a tile of int8 values: ``acc * al`` plus the plane's int8 product (its
+    codes relabelled into the 8-bit operand, the int32 sums from the magic ``start``, the magic taken off exactly)
+    times each head's ``scale``."""
+    a8 = gl.convert_layout(_by_quads(codes, 1), A_OP8, assert_trivial=True)
+    n = mma_v2(a8, pb8, start).to(gl.float32, bitcast=True) - 12582912.0
+    return acc * al + n * scale
+
+
+@gluon.jit
 def _byte_planes_s8(x):
     """int8 code bytes -> four int8 tensors ``16 c`` (planes j = 0..3 of each byte)."""
     return gl.inline_asm_elementwise(_BYTE_PLANES_S8, "=r,=r,=r,=r,r", [x], dtype=(gl.int8,) * 4, is_pure=True,
@@ -383,22 +393,14 @@ def _decode_rows_async_kernel(
                 u0, u1, u2, u3, u4, u5, u6, u7 = _value_planes_s8(
                     gl.convert_layout(v_ring.index(stage).permute((1, 0)).load(A_OP), VX, assert_trivial=True))
                 vi = gl.full([W, BLOCK_H], MAGIC_I, gl.int32, MMA)
-                a0 = a0 * al + (mma_v2(gl.convert_layout(_by_quads(u0, 1), A_OP8, assert_trivial=True), pb8,
-                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
-                a1 = a1 * al + (mma_v2(gl.convert_layout(_by_quads(u1, 1), A_OP8, assert_trivial=True), pb8,
-                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
-                a2 = a2 * al + (mma_v2(gl.convert_layout(_by_quads(u2, 1), A_OP8, assert_trivial=True), pb8,
-                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
-                a3 = a3 * al + (mma_v2(gl.convert_layout(_by_quads(u3, 1), A_OP8, assert_trivial=True), pb8,
-                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
-                a4 = a4 * al + (mma_v2(gl.convert_layout(_by_quads(u4, 1), A_OP8, assert_trivial=True), pb8,
-                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
-                a5 = a5 * al + (mma_v2(gl.convert_layout(_by_quads(u5, 1), A_OP8, assert_trivial=True), pb8,
-                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
-                a6 = a6 * al + (mma_v2(gl.convert_layout(_by_quads(u6, 1), A_OP8, assert_trivial=True), pb8,
-                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
-                a7 = a7 * al + (mma_v2(gl.convert_layout(_by_quads(u7, 1), A_OP8, assert_trivial=True), pb8,
-                                       vi).to(gl.float32, bitcast=True) - MAGIC_F) * scb
+                a0 = _plane_int8(a0, al, u0, pb8, vi, scb, A_OP8)
+                a1 = _plane_int8(a1, al, u1, pb8, vi, scb, A_OP8)
+                a2 = _plane_int8(a2, al, u2, pb8, vi, scb, A_OP8)
+                a3 = _plane_int8(a3, al, u3, pb8, vi, scb, A_OP8)
+                a4 = _plane_int8(a4, al, u4, pb8, vi, scb, A_OP8)
+                a5 = _plane_int8(a5, al, u5, pb8, vi, scb, A_OP8)
+                a6 = _plane_int8(a6, al, u6, pb8, vi, scb, A_OP8)
+                a7 = _plane_int8(a7, al, u7, pb8, vi, scb, A_OP8)
             else:
                 if Q8:
                     m_new = gl.maximum(m_i, gl.max(s, 0) * gq)
