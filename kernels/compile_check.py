@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,8 +58,9 @@ class CompileOnlyDriver:
 
 @dataclass
 class Compiled:
-    """One compiled launch: kernel, compile seconds, warps, stages, its compile-time parameters, and the cubin's
-    registers per thread and stack bytes per thread (spills; None where ``cuobjdump`` is not at hand)."""
+    """One compiled launch: kernel, compile seconds, warps, stages, its compile-time parameters, the cubin's
+    registers per thread and stack bytes per thread (spills; None where ``cuobjdump`` is not at hand), and the cubin
+    itself (``benchmarks/sass_count.py`` disassembles it)."""
 
     name: str
     seconds: float
@@ -68,6 +69,7 @@ class Compiled:
     constants: dict
     registers: int | None
     stack: int | None
+    cubin: bytes | None = field(default=None, repr=False)
 
     def describe(self) -> str:
         res = "" if self.registers is None else f", {self.registers} registers, {self.stack} B stack"
@@ -118,7 +120,8 @@ def compile_only(arch: int = 90) -> Iterator[list[Compiled]]:
         consts = {self.arg_names[k[0]]: v for k, v in kernel.src.constants.items()
                   if isinstance(k, tuple) and self.arg_names[k[0]].isupper()}
         compiled.append(Compiled(self.fn.__name__, time.perf_counter() - t0, kernel.metadata.num_warps,
-                                 kernel.metadata.num_stages, consts, *resource_usage(kernel.asm.get("cubin"))))
+                                 kernel.metadata.num_stages, consts, *resource_usage(kernel.asm.get("cubin")),
+                                 cubin=kernel.asm.get("cubin")))
         return kernel
 
     previous = getattr(driver, "_active", None)
@@ -184,9 +187,11 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
         dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
         # the Triton split kernel where the Gluon one runs by default (Triton 3.6), the Gluon one with three
-        # shared-memory stages, with int8 scores and the value offset folded, and with int8 scores and values
+        # shared-memory stages, with int8 scores and the value offset folded, with int8 scores and values, with the
+        # lean tile bookkeeping, and with all of int8 scores and values, lean tiles and the fused value update
         for tune in (dict(async_tiles=False), dict(num_stages=3), dict(int8_scores=True, fold_offset=True),
-                     dict(int8_scores=True, int8_values=True)):
+                     dict(int8_scores=True, int8_values=True), dict(lean_tiles=True),
+                     dict(int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True)):
             dec = DecodePlan(pool, 2, 128, q_heads=hq, **tune)
             dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
             dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))

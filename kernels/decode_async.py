@@ -118,13 +118,18 @@ def _by_quads(x, dim: gl.constexpr):
 
 
 @gluon.jit
-def _plane_int8(acc, al, codes, pb8, start, scale, A_OP8: gl.constexpr):
+def _plane_int8(acc, al, codes, pb8, start, scale, magic_scale, A_OP8: gl.constexpr, FUSED: gl.constexpr):
     """One value plane's accumulator after a tile of int8 values: ``acc * al`` plus the plane's int8 product (its
-    codes relabelled into the 8-bit operand, the int32 sums from the magic ``start``, the magic taken off exactly)
-    times each head's ``scale``."""
+    codes relabelled into the 8-bit operand, the int32 sums from the magic ``start``) times each head's ``scale``.
+    The magic is taken off exactly before the scaling (a subtract, a multiply and a fused multiply-add per element),
+    or with ``FUSED`` inside two fused multiply-adds, ``bits * scale + (acc * al - magic * scale)``
+    (``magic_scale``): the rescaled sum is rounded once at the magic's magnitude, ~1 int8 probability step times one
+    code unit per tile, a fraction of the dithered rounding's own noise."""
     a8 = gl.convert_layout(_by_quads(codes, 1), A_OP8, assert_trivial=True)
-    n = mma_v2(a8, pb8, start).to(gl.float32, bitcast=True) - 12582912.0
-    return acc * al + n * scale
+    bits = mma_v2(a8, pb8, start).to(gl.float32, bitcast=True)
+    if FUSED:
+        return bits * scale + (acc * al - magic_scale)
+    return acc * al + (bits - 12582912.0) * scale
 
 
 @gluon.jit
@@ -138,6 +143,32 @@ def _byte_planes_s8(x):
 def _round_s8(x):
     """fp32 within [-127.5, 127.5] -> int8, rounded half away from zero."""
     return (x + gl.where(x >= 0.0, 0.5, -0.5)).to(gl.int32).to(gl.int8)
+
+
+@gluon.jit
+def _row_f32(x, ROW: gl.constexpr, WIDE_FIRST: gl.constexpr):
+    """A tile's per-token fp16 vector -> fp32 ``[BN, 1]`` in the MMA rows' layout; ``WIDE_FIRST`` converts before
+    the layout change (each lane converts its own 4 tokens, not the 16 rows it receives)."""
+    if WIDE_FIRST:
+        return gl.expand_dims(gl.convert_layout(x.to(gl.float32), ROW), 1)
+    return gl.expand_dims(gl.convert_layout(x, ROW).to(gl.float32), 1)
+
+
+@gluon.jit
+def _key_terms(ks, kz, live, Q8: gl.constexpr, ROW: gl.constexpr):
+    """A tile's key scale and zero and each token's additive score term, fp32 ``[BN, 1]`` in the MMA rows' layout,
+    computed on the slot vector's side (4 tokens a lane, not the 16 rows each lane receives) with the token mask
+    folded in: tokens outside ``live`` get scale and zero 0 (their slot-0 bits may be anything) and the term
+    ``-inf``, so no compare per row or select per score element; live tokens get ``-magic * scale`` with int8 scores
+    (the int32 sums' magic start taken off) and 0 otherwise."""
+    ksv = gl.where(live, ks.to(gl.float32), 0.0)
+    kzv = gl.where(live, kz.to(gl.float32), 0.0)
+    if Q8:
+        tail = gl.where(live, ksv * -12582912.0, float("-inf"))
+    else:
+        tail = gl.where(live, 0.0, float("-inf"))
+    return (gl.expand_dims(gl.convert_layout(ksv, ROW), 1), gl.expand_dims(gl.convert_layout(kzv, ROW), 1),
+            gl.expand_dims(gl.convert_layout(tail, ROW), 1))
 
 
 @gluon.jit
@@ -184,7 +215,8 @@ def _decode_rows_async_kernel(
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     GQA: gl.constexpr, BLOCK_H: gl.constexpr, OFF64: gl.constexpr, PER_SEQ_EXACT: gl.constexpr,
-    STAGES: gl.constexpr, Q8: gl.constexpr, FOLD: gl.constexpr, V8: gl.constexpr,
+    STAGES: gl.constexpr, Q8: gl.constexpr, FOLD: gl.constexpr, V8: gl.constexpr, LEAN: gl.constexpr,
+    FUSED: gl.constexpr,
 ):
     D: gl.constexpr = HEAD_DIM
     W: gl.constexpr = D // 8
@@ -338,16 +370,22 @@ def _decode_rows_async_kernel(
             async_copy.wait_group(STAGES - 1)  # this tile's group has landed (the later ones may be in flight)
             gl.thread_barrier()
             # ---- scores: s = s_k (q'.c) + z_k sum(q'), online softmax over the tile
+            if LEAN:
+                ksf, kzf, tail = _key_terms(ks, kz, start + offs_t < hi, Q8, ROW)
             if Q8:
-                ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
-                kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
+                if not LEAN:
+                    ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
+                    kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
                 c0, c1, c2, c3 = _byte_planes_s8(k_ring.index(stage)._reinterpret(gl.int8, [BN, 2 * W], RING8)
                                                  .load(A_OP8))
                 qi = mma_v2(c0, p8_0, i_init)
                 qi = mma_v2(c1, p8_1, qi)
                 qi = mma_v2(c2, p8_2, qi)
                 qi = mma_v2(c3, p8_3, qi)
-                s = qi.to(gl.float32, bitcast=True) * ksf + (kzf * kz_g - MAGIC_F * ksf)  # s / g
+                if LEAN:
+                    s = qi.to(gl.float32, bitcast=True) * ksf + (kzf * kz_g + tail)  # s / g
+                else:
+                    s = qi.to(gl.float32, bitcast=True) * ksf + (kzf * kz_g - MAGIC_F * ksf)  # s / g
             else:
                 k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(k_ring.index(stage).load(A_OP))
                 qc = mma_v2(k0, q0, s_init)
@@ -358,10 +396,14 @@ def _decode_rows_async_kernel(
                 qc = mma_v2(k5, q5, qc)
                 qc = mma_v2(k6, q6, qc)
                 qc = mma_v2(k7, q7, qc)
-                ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
-                kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
-                s = qc * ksf + kzf * kz_q
-            s = gl.where(gl.expand_dims(start + offs_r < hi, 1), s, float("-inf"))
+                if LEAN:
+                    s = qc * ksf + (kzf * kz_q + tail)
+                else:
+                    ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
+                    kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
+                    s = qc * ksf + kzf * kz_q
+            if not LEAN:
+                s = gl.where(gl.expand_dims(start + offs_r < hi, 1), s, float("-inf"))
             if V8:
                 # int8 values: probabilities relative to each head's tile maximum (p / max_t p = 2**(s - max s)),
                 # times the token's value scale over the tile's largest, in int8 steps of 1/127 rounded down after
@@ -384,23 +426,24 @@ def _decode_rows_async_kernel(
                 vmax = gl.max(vsv, 0)
                 vinv = gl.where(vmax > 0.0, 127.0 / vmax, 0.0)
                 vsc = gl.expand_dims(gl.convert_layout(vsv * vinv, ROW), 1)
-                vzf = gl.expand_dims(gl.convert_layout(vz, ROW).to(gl.float32), 1)
+                vzf = _row_f32(vz, ROW, LEAN)
                 pz = pz * alpha + e * gl.sum(p * vzf, 0)
                 p16 = gl.convert_layout((p * vsc + p_add).to(gl.float16), B_OP)
                 pb8 = gl.convert_layout(_by_quads(_low_bytes(p16), 0), B_OP8, assert_trivial=True)
                 scb = gl.expand_dims(e * (vmax / 127.0), 0)
+                scm = scb * MAGIC_F
                 al = gl.expand_dims(alpha, 0)
                 u0, u1, u2, u3, u4, u5, u6, u7 = _value_planes_s8(
                     gl.convert_layout(v_ring.index(stage).permute((1, 0)).load(A_OP), VX, assert_trivial=True))
                 vi = gl.full([W, BLOCK_H], MAGIC_I, gl.int32, MMA)
-                a0 = _plane_int8(a0, al, u0, pb8, vi, scb, A_OP8)
-                a1 = _plane_int8(a1, al, u1, pb8, vi, scb, A_OP8)
-                a2 = _plane_int8(a2, al, u2, pb8, vi, scb, A_OP8)
-                a3 = _plane_int8(a3, al, u3, pb8, vi, scb, A_OP8)
-                a4 = _plane_int8(a4, al, u4, pb8, vi, scb, A_OP8)
-                a5 = _plane_int8(a5, al, u5, pb8, vi, scb, A_OP8)
-                a6 = _plane_int8(a6, al, u6, pb8, vi, scb, A_OP8)
-                a7 = _plane_int8(a7, al, u7, pb8, vi, scb, A_OP8)
+                a0 = _plane_int8(a0, al, u0, pb8, vi, scb, scm, A_OP8, FUSED)
+                a1 = _plane_int8(a1, al, u1, pb8, vi, scb, scm, A_OP8, FUSED)
+                a2 = _plane_int8(a2, al, u2, pb8, vi, scb, scm, A_OP8, FUSED)
+                a3 = _plane_int8(a3, al, u3, pb8, vi, scb, scm, A_OP8, FUSED)
+                a4 = _plane_int8(a4, al, u4, pb8, vi, scb, scm, A_OP8, FUSED)
+                a5 = _plane_int8(a5, al, u5, pb8, vi, scb, scm, A_OP8, FUSED)
+                a6 = _plane_int8(a6, al, u6, pb8, vi, scb, scm, A_OP8, FUSED)
+                a7 = _plane_int8(a7, al, u7, pb8, vi, scb, scm, A_OP8, FUSED)
             else:
                 if Q8:
                     m_new = gl.maximum(m_i, gl.max(s, 0) * gq)
@@ -412,8 +455,8 @@ def _decode_rows_async_kernel(
                 l_i = l_i * alpha + gl.sum(p, 0)
                 m_i = m_new
                 # ---- values: sum_t (p_t s_t) c_t into the plane accumulators, sum_t p_t z_t into pz
-                vsf = gl.expand_dims(gl.convert_layout(vs, ROW).to(gl.float32), 1)
-                vzf = gl.expand_dims(gl.convert_layout(vz, ROW).to(gl.float32), 1)
+                vsf = _row_f32(vs, ROW, LEAN)
+                vzf = _row_f32(vz, ROW, LEAN)
                 ps = (p * vsf).to(gl.float16)
                 pz = pz * alpha + gl.sum(p * vzf, 0)
                 off_t = gl.expand_dims(OFF * gl.sum(ps.to(gl.float32), 0), 0)

@@ -236,6 +236,19 @@ against 36.9; end to end with int8 scores (``oscar bench`` configuration ``oscar
 tokens/s at bs50/100k. Off by default: 7-bit probabilities per tile change the output more than int8 scores (~3%
 relative against the exact reference on the kernel tests' sharp synthetic attention); ``oscar serve --int8-values``
 turns it on for a server, ``oscar eval`` method ``oscar-int8-pv`` measures it."""
+ROWS_LEAN_TILES = False
+"""Row-scale path, Gluon split kernel: the tile's per-token bookkeeping on the slot vector's side
+(``decode_int2(lean_tiles=...)``): the key and value scales and zeros widened to fp32 before their layout change
+(each lane converts its 4 tokens, not the 16 rows it receives), and the token mask folded into the key scale, zero and
+an additive per-token term (``-inf`` past the list's end), instead of a 64-bit compare per row and a select per
+score element. Same results bit for bit. sm_90 SASS per tile and warp (``benchmarks/sass_count.py``): see
+``bench_decode.py --variants --set lean``. Off until measured on a GPU."""
+ROWS_FUSED_UPDATE = False
+"""Row-scale path, Gluon split kernel with ``int8_values``: each value plane's accumulator update as two fused
+multiply-adds, ``bits * scale + (acc * al - magic * scale)``, instead of taking the int32 sums' magic off exactly
+first (``decode_int2(fused_update=...)``): 32 instructions fewer per tile and warp; the rescaled sum is rounded once
+at the magic's magnitude (~1 int8 probability step times one code unit per tile, within the definition's own
+dithered rounding noise). Off until measured on a GPU."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
@@ -1475,6 +1488,8 @@ def decode_int2(
     int8_scores: bool = ROWS_INT8_SCORES,
     fold_offset: bool = ROWS_FOLD_OFFSET,
     int8_values: bool = ROWS_INT8_VALUES,
+    lean_tiles: bool = ROWS_LEAN_TILES,
+    fused_update: bool = ROWS_FUSED_UPDATE,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -1515,6 +1530,10 @@ def decode_int2(
             MMAs (k = 32).
         fold_offset: with ``async_tiles``: each value plane's MMA starts from its rescaled sum less the tile's code
             offset (``ROWS_FOLD_OFFSET``; one fused multiply per element instead of a subtract and a multiply-add).
+        lean_tiles: with ``async_tiles``: the tile's per-token bookkeeping (scale conversions, the token mask) on
+            the slot vector's side (``ROWS_LEAN_TILES``; same results).
+        fused_update: with ``int8_values``: each value plane's accumulator update as two fused multiply-adds
+            (``ROWS_FUSED_UPDATE``; rounds the rescaled sum once more).
         int8_values: with ``async_tiles``: the INT2 rows' value products from int8 tensor-core products
             (``ROWS_INT8_VALUES``): each tile's probabilities rounded to int8 steps of 1/127 of each head's tile
             maximum times the token's value scale over the tile's largest; ``fold_offset`` does not apply.
@@ -1618,7 +1637,8 @@ def decode_int2(
             decode_async._decode_rows_async_kernel[(bsz, hkv, parts)](
                 *args, GQA=gqa, BLOCK_H=block_h, OFF64=cache.off64, PER_SEQ_EXACT=per_seq_exact,
                 STAGES=num_stages or decode_async.STAGES, Q8=bool(int8_scores), FOLD=bool(fold_offset),
-                V8=bool(int8_values), num_warps=1,
+                V8=bool(int8_values), LEAN=bool(lean_tiles),
+                FUSED=bool(fused_update), num_warps=1,
                 **cap,
             )
         else:

@@ -56,8 +56,11 @@ def test_named_variant_sets_are_chosen_by_set(bench):
     assert bench.parse_args(["--variants", "--set", "write-peel"]).variant_set == "write-peel"
     assert bench.parse_args(["--variants", "--l2"]).l2 and bench.parse_args([]).variant_set is None
     assert set(bench.VARIANT_SETS) == {"l2", "write-peel", "one-wave", "balance", "pair", "async", "int8",
-                                        "int8-values"}
+                                        "int8-values", "lean"}
     assert bench.parse_args(["--variants", "--set", "async"]).variant_set == "async"
+    assert bench.parse_args(["--variants", "--set", "lean"]).variant_set == "lean"
+    assert all(set(kw) <= {"lean_tiles", "fused_update", "int8_scores", "int8_values"}
+               for _, kw in bench.VARIANT_SETS["lean"])
     assert bench.parse_args(["--variants", "--set", "int8"]).variant_set == "int8"
     with pytest.raises(SystemExit):
         bench.parse_args(["--variants", "--set", "nope"])
