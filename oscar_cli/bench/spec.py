@@ -60,6 +60,8 @@ class ServeConfig:
     """oscar: decode scores from int8 MMAs (``oscar serve --int8-scores``)."""
     int8_values: bool = False
     """oscar: decode value products from int8 MMAs (``oscar serve --int8-values``)."""
+    decode_tuning: tuple[tuple[str, bool | int], ...] = ()
+    """oscar: more decode-kernel launch options (``OscarSettings.decode_tuning``), as ``(key, value)`` pairs."""
 
 
 CONFIGS: dict[str, ServeConfig] = {c.name: c for c in (
@@ -71,6 +73,11 @@ CONFIGS: dict[str, ServeConfig] = {c.name: c for c in (
     ServeConfig("oscar-int8", "oscar", None, "INT2 g128 s64/r256, int8 scores", int8_scores=True),
     ServeConfig("oscar-int8-pv", "oscar", None, "INT2 g128 s64/r256, int8 scores and values", int8_scores=True,
                 int8_values=True),
+    ServeConfig("oscar-lean", "oscar", None, "INT2 g128 s64/r256, lean tiles",
+                decode_tuning=(("lean_tiles", True),)),
+    ServeConfig("oscar-int8-pv-lean", "oscar", None, "INT2 g128 s64/r256, int8 scores and values, lean tiles, "
+                "fused update", int8_scores=True, int8_values=True,
+                decode_tuning=(("lean_tiles", True), ("fused_update", True))),
 )}
 """In run order: baselines first, so the BF16 largest batch is recorded before oscar needs it."""
 BASELINE = "flashinfer"
@@ -81,7 +88,7 @@ MEASURES = ("capacity", "throughput", "latency", "profile")
 DEFAULT_MEASURES = ("capacity", "throughput", "latency")
 RUN_ORDER = ("capacity", "throughput", "profile", "latency")
 """The order measurements run in: the profile reuses the throughput's shared prefix before latency flushes it."""
-PROFILED = ("oscar", "oscar-int8", "oscar-int8-pv", "flashinfer", "triton")
+PROFILED = ("oscar", "oscar-int8", "oscar-int8-pv", "oscar-lean", "oscar-int8-pv-lean", "flashinfer", "triton")
 """Configurations ``profile`` runs for: oscar against BF16."""
 FILLS = ("auto", "prefill", "prefix", "null")
 NULL_FILL_FLAG = "null-fill.flag"
@@ -327,7 +334,8 @@ def server_argv(config: ServeConfig, cfg: BenchConfig, model: Path, artifact: Pa
             raise BenchError("the oscar configuration needs an artifact")
         flags += ["--max-running-requests", str(cfg.max_running_requests)]
         argv, plugin_env = build_launch(str(model), Path(artifact), "127.0.0.1", cfg.port, [*flags, *cfg.extra],
-                                        int8_scores=config.int8_scores, int8_values=config.int8_values)
+                                        int8_scores=config.int8_scores, int8_values=config.int8_values,
+                                        decode_tuning=dict(config.decode_tuning))
         for k, v in plugin_env.items():
             env[k] = ",".join([v, *plugins]) if k == "SGLANG_PLUGINS" else v
         return argv, env

@@ -191,8 +191,8 @@ def test_extend_and_padded_decode_match_reference_over_shared_prefix_slots():
 
 
 def test_int8_settings_reach_the_decode_plan():
-    """``OscarSettings.int8_scores`` / ``int8_values`` (through the plugin's ``OscarAttention``) become the decode
-    plan's kernel options; off by default."""
+    """``OscarSettings.int8_scores`` / ``int8_values`` / ``decode_tuning`` (through the plugin's ``OscarAttention``)
+    become the decode plan's kernel options; off by default."""
     model = Model(seed=1, layers=1)
     kv = model.kv(anchors=8, interval=0)
     req_to_token = torch.zeros(REQS, MAX_POS, dtype=torch.int32)
@@ -201,6 +201,10 @@ def test_int8_settings_reach_the_decode_plan():
     both = OscarAttention(kv, req_to_token, max_batch=REQS, max_tokens=64, q_heads=HQ, int8_scores=True,
                           int8_values=True)
     assert both.decode.tuning["int8_scores"] is True and both.decode.tuning["int8_values"] is True
+    tuned = OscarAttention(kv, req_to_token, max_batch=REQS, max_tokens=64, q_heads=HQ,
+                           decode_tuning={"lean_tiles": True, "fused_update": True})
+    assert tuned.decode.tuning["lean_tiles"] is True and tuned.decode.tuning["fused_update"] is True
+    assert "lean_tiles" not in plain.decode.tuning
 
 
 def test_chunked_extend_equals_one_extend_without_anchors():

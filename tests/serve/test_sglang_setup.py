@@ -134,6 +134,9 @@ def test_settings_round_trip_through_the_override_json():
     assert read_settings(write_settings(q8)) == q8 and read_settings(write_settings(s)).int8_scores is False
     pv = OscarSettings(artifact=Path("/a/v1"), int8_scores=True, int8_values=True)
     assert read_settings(write_settings(pv)) == pv and read_settings(write_settings(q8)).int8_values is False
+    lean = OscarSettings(artifact=Path("/a/v1"), decode_tuning={"lean_tiles": True, "fused_update": True,
+                                                                 "num_stages": 3})
+    assert read_settings(write_settings(lean)) == lean and read_settings(write_settings(pv)).decode_tuning == {}
 
 
 @pytest.mark.parametrize("text, words", [
@@ -142,6 +145,11 @@ def test_settings_round_trip_through_the_override_json():
     ('{"oscar": {"artifact": "a", "anchors": -1}}', "non-negative"),
     ('{"oscar": {"artifact": "a", "int8_scores": 1}}', "int8_scores must be true or false"),
     ('{"oscar": {"artifact": "a", "int8_values": "yes"}}', "int8_values must be true or false"),
+    ('{"oscar": {"artifact": "a", "decode_tuning": [1]}}', "decode_tuning must be an object"),
+    ('{"oscar": {"artifact": "a", "decode_tuning": {"lean": true}}}', "unknown decode_tuning key 'lean'; allowed"),
+    ('{"oscar": {"artifact": "a", "decode_tuning": {"lean_tiles": 1}}}', "lean_tiles must be true or false"),
+    ('{"oscar": {"artifact": "a", "decode_tuning": {"num_stages": true}}}', "num_stages must be a positive integer"),
+    ('{"oscar": {"artifact": "a", "decode_tuning": {"max_registers": 0}}}', "max_registers must be a positive"),
     ("{oscar", "not valid JSON"),
     ("[1]", "JSON object"),
 ])

@@ -121,17 +121,19 @@ class OscarAttention:
         sm_scale: softmax scale of every layer (SGLang's ``RadixAttention.scaling``).
         int8_scores: decode scores over INT2 rows from int8 MMAs (``OscarSettings.int8_scores``).
         int8_values: decode value products over INT2 rows from int8 MMAs (``OscarSettings.int8_values``).
+        decode_tuning: more decode-kernel launch options for ``DecodePlan`` (``OscarSettings.decode_tuning``).
     """
 
     def __init__(self, kv: OscarKV, req_to_token: torch.Tensor, max_batch: int, max_tokens: int, q_heads: int,
-                 sm_scale: float | None = None, int8_scores: bool = False, int8_values: bool = False):
+                 sm_scale: float | None = None, int8_scores: bool = False, int8_values: bool = False,
+                 decode_tuning: dict | None = None):
         if req_to_token.shape[0] > kv.request_slots:
             raise ValueError(f"req_to_token has {req_to_token.shape[0]} rows, the pool {kv.request_slots} regions")
         self.kv = kv
         self.req_to_token = req_to_token
         self.max_seq_len = req_to_token.shape[1]
         self.decode = DecodePlan(kv.pool, max_batch, self.max_seq_len, q_heads=q_heads, sm_scale=sm_scale,
-                                 int8_scores=int8_scores, int8_values=int8_values)
+                                 int8_scores=int8_scores, int8_values=int8_values, **(decode_tuning or {}))
         self.extend = ExtendPlan(kv.pool, max_batch, max_tokens, self.max_seq_len, sm_scale=sm_scale)
         self._restore: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None

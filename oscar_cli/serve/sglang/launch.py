@@ -65,13 +65,14 @@ def _without(extra: list[str], flag: str) -> list[str]:
 
 
 def build_launch(model_path: str, artifact: Path, host: str, port: int, extra: list[str],
-                 int8_scores: bool = False, int8_values: bool = False) -> tuple[list[str], dict[str, str]]:
+                 int8_scores: bool = False, int8_values: bool = False,
+                 decode_tuning: dict | None = None) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` starting SGLang's HTTP server on ``model_path`` with the OSCAR backend and ``artifact``.
 
     ``argv`` is ``python -m sglang.launch_server --model-path ... --attention-backend oscar --radix-cache-backend
     oscar --json-model-override-args '{"oscar": {...}}' ...`` followed by ``extra`` (user flags, passed through);
-    ``env`` holds what to add to the environment (``SGLANG_PLUGINS=oscar``). ``int8_scores`` and ``int8_values`` go into the
-    settings (:attr:`~.settings.OscarSettings.int8_scores`, :attr:`~.settings.OscarSettings.int8_values`). Raises
+    ``env`` holds what to add to the environment (``SGLANG_PLUGINS=oscar``). ``int8_scores``, ``int8_values`` and
+    ``decode_tuning`` go into the settings (:class:`~.settings.OscarSettings`' fields of those names). Raises
     :class:`~.refusals.ServeRefusal` (one line) for extra flags that conflict with the plugin."""
     flags = _flags(extra)
     problems = []
@@ -88,7 +89,8 @@ def build_launch(model_path: str, artifact: Path, host: str, port: int, extra: l
     problems += server_args_refusals(fields, environ={})
     if problems:
         raise ServeRefusal(f"oscar: {problems[0]}")
-    settings = OscarSettings(artifact=Path(artifact).resolve(), int8_scores=int8_scores, int8_values=int8_values)
+    settings = OscarSettings(artifact=Path(artifact).resolve(), int8_scores=int8_scores, int8_values=int8_values,
+                             decode_tuning=dict(decode_tuning or {}))
     user_overrides = flags.get("--json-model-override-args")
     overrides = write_settings(settings, user_overrides if isinstance(user_overrides, str) else None)
     rest = _without(extra, "--json-model-override-args")

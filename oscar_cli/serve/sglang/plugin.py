@@ -250,7 +250,8 @@ def backend_class():
                                        max_tokens=max_extend_tokens(sa, model_runner.model_config.context_len),
                                        q_heads=setup.q_heads, sm_scale=sm_scale,
                                        int8_scores=setup.settings.int8_scores,
-                                       int8_values=setup.settings.int8_values)
+                                       int8_values=setup.settings.int8_values,
+                                       decode_tuning=setup.settings.decode_tuning)
 
         # metadata ---------------------------------------------------------------------------------------------
         def init_forward_metadata(self, forward_batch):

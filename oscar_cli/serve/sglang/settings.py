@@ -11,13 +11,17 @@ environment variables. SGLang also sets the key on the model's HF config (``hf_c
 it. ``oscar serve --engine sglang`` (:func:`oscar_cli.serve.sglang.launch.build_launch`) writes it, merged into any
 override JSON the user passes.
 
-Settings (the quant scheme itself is the artifact's; nothing here changes attention numerics):
+Settings (the quant scheme itself is the artifact's):
 
 * ``artifact``: the artifact folder (absolute path);
 * ``anchors``: prefix-cache anchor entries, each ``sink + recent`` exact rows per layer for K and V (fixed memory,
   counted in SGLang's budget);
 * ``anchor_interval``: positions between anchors taken inside one extend (0: only at chunk ends and finished
-  requests).
+  requests);
+* ``int8_scores``, ``int8_values``: the decode kernel's int8 variants (these do change the numerics, within their
+  definitions);
+* ``decode_tuning``: launch options of the decode kernel that keep its numerics (``lean_tiles``, ``num_stages``,
+  ``max_registers``) or change only its rounding (``fused_update``), for benchmarking them in the engine.
 
 Pure Python: no torch, no SGLang.
 """
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,10 @@ for Qwen3-8B shapes at sink 64 / recent 256 (3 GiB for 64), 0.3 MiB for SmolLM2-
 DEFAULT_ANCHOR_INTERVAL = 1024
 """Anchors inside a long extend: a prompt sharing the first ``k * 1024`` tokens with a cached one reuses them even
 when the cached prompt went on (a shared 2k-token system prompt followed by different questions)."""
+
+
+DECODE_TUNING: dict[str, type] = {"lean_tiles": bool, "fused_update": bool, "num_stages": int, "max_registers": int}
+"""``decode_tuning`` keys (``oscar_kernels.DecodePlan`` / ``decode_int2`` keywords) and their types."""
 
 
 class SettingsError(OscarError):
@@ -58,6 +66,9 @@ class OscarSettings:
     """Decode value products over INT2 rows from int8 MMAs (each tile's probabilities times value scales in int8
     steps of 1/127 of its largest, rounded with a dither; ``oscar_kernels.decode_int2(int8_values=...)``): faster at
     large batches, off by default."""
+    decode_tuning: dict[str, Any] = field(default_factory=dict)
+    """Extra decode-kernel launch options (keys of :data:`DECODE_TUNING`), passed to ``DecodePlan``; empty by
+    default (the kernel's measured defaults)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "artifact", Path(self.artifact))
@@ -69,10 +80,23 @@ class OscarSettings:
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise SettingsError(f"oscar setting {name} must be true or false, got {v!r}")
+        tuning = self.decode_tuning
+        if not isinstance(tuning, dict):
+            raise SettingsError(f"oscar setting decode_tuning must be an object, got {tuning!r}")
+        for k, v in tuning.items():
+            kind = DECODE_TUNING.get(k)
+            if kind is None:
+                raise SettingsError(f"unknown decode_tuning key {k!r}; allowed: {', '.join(DECODE_TUNING)}")
+            if kind is bool and not isinstance(v, bool):
+                raise SettingsError(f"decode_tuning {k} must be true or false, got {v!r}")
+            if kind is int and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise SettingsError(f"decode_tuning {k} must be a positive integer, got {v!r}")
+        object.__setattr__(self, "decode_tuning", dict(tuning))
 
     def to_dict(self) -> dict[str, Any]:
         return {"artifact": str(self.artifact), "anchors": self.anchors, "anchor_interval": self.anchor_interval,
-                "int8_scores": self.int8_scores, "int8_values": self.int8_values}
+                "int8_scores": self.int8_scores, "int8_values": self.int8_values,
+                "decode_tuning": dict(self.decode_tuning)}
 
     @classmethod
     def from_dict(cls, d: Any) -> OscarSettings:
