@@ -188,10 +188,12 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
         # the Triton split kernel where the Gluon one runs by default (Triton 3.6), the Gluon one with three
         # shared-memory stages, with int8 scores and the value offset folded, with int8 scores and values, with the
-        # lean tile bookkeeping, and with all of int8 scores and values, lean tiles and the fused value update
+        # lean tile bookkeeping, with all of int8 scores and values, lean tiles, the fused value update and the
+        # movmatrix transposes, and with the transposes alone
         for tune in (dict(async_tiles=False), dict(num_stages=3), dict(int8_scores=True, fold_offset=True),
                      dict(int8_scores=True, int8_values=True), dict(lean_tiles=True),
-                     dict(int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True)):
+                     dict(int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True, movmatrix=True),
+                     dict(movmatrix=True)):
             dec = DecodePlan(pool, 2, 128, q_heads=hq, **tune)
             dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
             dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))

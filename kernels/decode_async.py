@@ -132,6 +132,23 @@ def _plane_int8(acc, al, codes, pb8, start, scale, magic_scale, A_OP8: gl.conste
     return acc * al + (bits - 12582912.0) * scale
 
 
+_TRANSPOSE8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+
+
+@gluon.jit
+def _to_b_operand(x, B_OP: gl.constexpr):
+    """fp16 ``[BN, 8]`` in the MMA accumulator layout -> the same values in the B-operand layout ``B_OP``, by one
+    ``movmatrix`` (8x8 transpose across the warp) per register: a lane's register holds row ``t/4``, columns
+    ``2(t%4), +1`` of an 8-row block before, and rows ``2(t%4), +1``, column ``t/4`` after, which is the B operand's
+    arrangement. The tensor keeps its layout, so its elements are relabelled by a reshape and permute (no data
+    moves; ``assert_trivial`` proves it)."""
+    t = gl.inline_asm_elementwise(_TRANSPOSE8, "=r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
+    N: gl.constexpr = x.shape[0]
+    H: gl.constexpr = x.shape[1]
+    t = gl.reshape(gl.permute(gl.reshape(t, [N // 8, 8, H]), (0, 2, 1)), [N, H])
+    return gl.convert_layout(t, B_OP, assert_trivial=True)
+
+
 @gluon.jit
 def _byte_planes_s8(x):
     """int8 code bytes -> four int8 tensors ``16 c`` (planes j = 0..3 of each byte)."""
@@ -216,7 +233,7 @@ def _decode_rows_async_kernel(
     stride_plb, stride_plh,
     GQA: gl.constexpr, BLOCK_H: gl.constexpr, OFF64: gl.constexpr, PER_SEQ_EXACT: gl.constexpr,
     STAGES: gl.constexpr, Q8: gl.constexpr, FOLD: gl.constexpr, V8: gl.constexpr, LEAN: gl.constexpr,
-    FUSED: gl.constexpr,
+    FUSED: gl.constexpr, MOVM: gl.constexpr,
 ):
     D: gl.constexpr = HEAD_DIM
     W: gl.constexpr = D // 8
@@ -428,7 +445,10 @@ def _decode_rows_async_kernel(
                 vsc = gl.expand_dims(gl.convert_layout(vsv * vinv, ROW), 1)
                 vzf = _row_f32(vz, ROW, LEAN)
                 pz = pz * alpha + e * gl.sum(p * vzf, 0)
-                p16 = gl.convert_layout((p * vsc + p_add).to(gl.float16), B_OP)
+                if MOVM:
+                    p16 = _to_b_operand((p * vsc + p_add).to(gl.float16), B_OP)
+                else:
+                    p16 = gl.convert_layout((p * vsc + p_add).to(gl.float16), B_OP)
                 pb8 = gl.convert_layout(_by_quads(_low_bytes(p16), 0), B_OP8, assert_trivial=True)
                 scb = gl.expand_dims(e * (vmax / 127.0), 0)
                 scm = scb * MAGIC_F
@@ -460,7 +480,10 @@ def _decode_rows_async_kernel(
                 ps = (p * vsf).to(gl.float16)
                 pz = pz * alpha + gl.sum(p * vzf, 0)
                 off_t = gl.expand_dims(OFF * gl.sum(ps.to(gl.float32), 0), 0)
-                pb = gl.convert_layout(ps, B_OP)
+                if MOVM:
+                    pb = _to_b_operand(ps, B_OP)
+                else:
+                    pb = gl.convert_layout(ps, B_OP)
                 al = gl.expand_dims(alpha, 0)
                 v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(v_ring.index(stage).permute((1, 0)).load(A_OP))
                 if FOLD:  # the tensor cores start each plane from its rescaled sum less this tile's offset

@@ -249,6 +249,13 @@ multiply-adds, ``bits * scale + (acc * al - magic * scale)``, instead of taking 
 first (``decode_int2(fused_update=...)``): 32 instructions fewer per tile and warp; the rescaled sum is rounded once
 at the magic's magnitude (~1 int8 probability step times one code unit per tile, within the definition's own
 dithered rounding noise). Off until measured on a GPU."""
+ROWS_MOVMATRIX = False
+"""Row-scale path, Gluon split kernel: each tile's probabilities move from the score accumulator layout to the value
+MMA's B operand by one ``movmatrix`` (an 8x8 transpose across the warp) per register instead of a layout conversion
+of shuffles and byte permutes (``decode_int2(movmatrix=...)``); the head tile is padded to 8 (at GQA 4 the
+accumulator layout would broadcast lanes that movmatrix tells apart). Data movement only: same results. sm_90 SASS
+per tile and warp at the large-batch register cap: 1,740 -> 1,673 by default, 1,382 -> 1,322 with int8 scores and
+values, lean tiles and the fused update. Off until measured on a GPU."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
 (``decode_int2(early_v=...)``) instead of after the scores. Off: slower everywhere it was measured (commit 154a6a4:
@@ -1490,6 +1497,7 @@ def decode_int2(
     int8_values: bool = ROWS_INT8_VALUES,
     lean_tiles: bool = ROWS_LEAN_TILES,
     fused_update: bool = ROWS_FUSED_UPDATE,
+    movmatrix: bool = ROWS_MOVMATRIX,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its INT2 slots and exact rows.
 
@@ -1534,6 +1542,8 @@ def decode_int2(
             the slot vector's side (``ROWS_LEAN_TILES``; same results).
         fused_update: with ``int8_values``: each value plane's accumulator update as two fused multiply-adds
             (``ROWS_FUSED_UPDATE``; rounds the rescaled sum once more).
+        movmatrix: with ``async_tiles``: the probabilities into the value MMA's operand layout by ``movmatrix``
+            transposes (``ROWS_MOVMATRIX``; same results; the head tile padded to 8).
         int8_values: with ``async_tiles``: the INT2 rows' value products from int8 tensor-core products
             (``ROWS_INT8_VALUES``): each tile's probabilities rounded to int8 steps of 1/127 of each head's tile
             maximum times the token's value scale over the tile's largest; ``fold_offset`` does not apply.
@@ -1632,13 +1642,15 @@ def decode_int2(
                 part_o.stride(0), part_o.stride(1), part_o.stride(2),
                 part_lse.stride(0), part_lse.stride(1))
         block_h = max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa))
+        if gluon and movmatrix:
+            block_h = max(block_h, 8)
         cap = {"maxnreg": max_registers} if max_registers else {}
         if gluon:
             decode_async._decode_rows_async_kernel[(bsz, hkv, parts)](
                 *args, GQA=gqa, BLOCK_H=block_h, OFF64=cache.off64, PER_SEQ_EXACT=per_seq_exact,
                 STAGES=num_stages or decode_async.STAGES, Q8=bool(int8_scores), FOLD=bool(fold_offset),
                 V8=bool(int8_values), LEAN=bool(lean_tiles),
-                FUSED=bool(fused_update), num_warps=1,
+                FUSED=bool(fused_update), MOVM=bool(movmatrix), num_warps=1,
                 **cap,
             )
         else:

@@ -721,8 +721,8 @@ def test_server_argv_goes_through_build_launch_and_keeps_baselines_plugin_free(q
     assert json.loads(flags["--json-model-override-args"])["oscar"]["int8_values"] is False
     lean, _ = d.server_argv(d.CONFIGS["oscar-int8-pv-lean"], cfg, model, art, tmp_path / "p")
     lean_settings = json.loads(dict(zip(lean[3::2], lean[4::2], strict=False))["--json-model-override-args"])["oscar"]
-    assert lean_settings["int8_values"] is True and lean_settings["decode_tuning"] == {"lean_tiles": True,
-                                                                                      "fused_update": True}
+    assert lean_settings["int8_values"] is True and lean_settings["decode_tuning"] == {
+        "lean_tiles": True, "fused_update": True, "movmatrix": True}
     assert json.loads(flags["--json-model-override-args"])["oscar"]["decode_tuning"] == {}
     bf16, _ = d.server_argv(d.CONFIGS["triton"], cfg, model, None, tmp_path / "p")
     assert "--kv-cache-dtype" not in bf16

@@ -28,7 +28,7 @@ build_launch``, ``--max-running-requests 64``), ``flashinfer`` (BF16, the baseli
 ``flashinfer-fp8`` (``--kv-cache-dtype fp8_e4m3``), and on request ``oscar-int8`` (``oscar`` with ``oscar serve
 --int8-scores``: decode scores over the INT2 rows from int8 MMAs), ``oscar-int8-pv`` (``--int8-scores
 --int8-values``: the value products too), ``oscar-lean`` and ``oscar-int8-pv-lean`` (those with the decode kernel's
-``lean_tiles``, and ``fused_update`` with int8 values, through the settings' ``decode_tuning``) and ``triton`` /
+``lean_tiles`` and ``movmatrix``, and ``fused_update`` with int8 values, through the settings' ``decode_tuning``) and ``triton`` /
 ``triton-fp8``. Baseline servers
 run with ``SGLANG_PLUGINS=none`` (no plugin loaded: unmodified SGLang). Configurations run in that order
 (baselines first), so the BF16 batch is known when oscar runs.

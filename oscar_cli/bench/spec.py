@@ -73,11 +73,11 @@ CONFIGS: dict[str, ServeConfig] = {c.name: c for c in (
     ServeConfig("oscar-int8", "oscar", None, "INT2 g128 s64/r256, int8 scores", int8_scores=True),
     ServeConfig("oscar-int8-pv", "oscar", None, "INT2 g128 s64/r256, int8 scores and values", int8_scores=True,
                 int8_values=True),
-    ServeConfig("oscar-lean", "oscar", None, "INT2 g128 s64/r256, lean tiles",
-                decode_tuning=(("lean_tiles", True),)),
+    ServeConfig("oscar-lean", "oscar", None, "INT2 g128 s64/r256, lean tiles, movmatrix",
+                decode_tuning=(("lean_tiles", True), ("movmatrix", True))),
     ServeConfig("oscar-int8-pv-lean", "oscar", None, "INT2 g128 s64/r256, int8 scores and values, lean tiles, "
-                "fused update", int8_scores=True, int8_values=True,
-                decode_tuning=(("lean_tiles", True), ("fused_update", True))),
+                "fused update, movmatrix", int8_scores=True, int8_values=True,
+                decode_tuning=(("lean_tiles", True), ("fused_update", True), ("movmatrix", True))),
 )}
 """In run order: baselines first, so the BF16 largest batch is recorded before oscar needs it."""
 BASELINE = "flashinfer"

@@ -62,7 +62,7 @@ def bench_cmd(
     configs: Annotated[str, typer.Option("--configs", callback=_names("configuration"), help="Comma-separated: "
                                          "oscar, oscar-int8 (oscar serve --int8-scores), oscar-int8-pv (--int8-scores "
                                          "--int8-values), oscar-lean and oscar-int8-pv-lean (the decode kernel's "
-                                         "lean_tiles / fused_update), flashinfer (BF16, the baseline), "
+                                         "lean_tiles, movmatrix, fused_update), flashinfer (BF16, the baseline), "
                                          "flashinfer-fp8, triton, triton-fp8; run baselines first.")] = "flashinfer,flashinfer-fp8,oscar",
     measure: Annotated[str, typer.Option("--measure", callback=_names("measurement"), help="Comma-separated: "
                                          "capacity (admission run), throughput, latency, profile.")]

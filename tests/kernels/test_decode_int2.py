@@ -394,8 +394,8 @@ def test_decode_async_tiles(layout, monkeypatch):
     workspace and out, and agrees with the Triton split kernel, also with int8 scores (queries quantized to int8)
     and the value offset folded into the MMAs, alone and together under the large-batch register cap, and with int8
     values (alone, and with int8 scores under the cap) against their definitions, and with the lean tile bookkeeping
-    (token mask folded into the key terms) and the fused int8-value accumulator update, alone and with int8 scores
-    and values under the cap; where it does not cover the launch (the interpreter, other row-scale variants,
+    (token mask folded into the key terms), the fused int8-value accumulator update and the probabilities' movmatrix
+    transposes, alone and with int8 scores and values under the cap; where it does not cover the launch (the interpreter, other row-scale variants,
     d = 64) the Triton kernel runs and the answer is the same."""
     if layout == "int64":
         monkeypatch.setattr(layout_module, "OFFSET64", 1)
@@ -422,8 +422,11 @@ def test_decode_async_tiles(layout, monkeypatch):
                       dict(async_tiles=True, lean_tiles=True),
                       dict(async_tiles=True, int8_values=True, fused_update=True),
                       dict(async_tiles=True, int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True,
-                           max_registers=168)):
-            if not ON_GPU and ("lean_tiles" in knobs or "fused_update" in knobs):
+                           max_registers=168),
+                      dict(async_tiles=True, movmatrix=True),
+                      dict(async_tiles=True, int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True,
+                           movmatrix=True, max_registers=168)):
+            if not ON_GPU and {"lean_tiles", "fused_update", "movmatrix"} & set(knobs):
                 continue  # Gluon-only knobs: on the CPU the same Triton fallback as the knobs above
             ws = decode_workspace(q.shape[0], q.shape[1], d, index.max_splits, DEVICE, index.exact_splits)
             for t in ws:
@@ -437,8 +440,8 @@ def test_decode_async_tiles(layout, monkeypatch):
             torch.testing.assert_close(out, want, **(TOL8V if knobs.get("int8_values") else TOL))
             assert rel_err(out, want) <= MAX_REL
             outs.append(out)
-            if knobs == dict(async_tiles=True, lean_tiles=True):  # the same arithmetic as the first knob's
-                torch.testing.assert_close(out, outs[0], atol=1e-4, rtol=1e-4)
+            if knobs in (dict(async_tiles=True, lean_tiles=True), dict(async_tiles=True, movmatrix=True)):
+                torch.testing.assert_close(out, outs[0], atol=1e-4, rtol=1e-4)  # the first knob's arithmetic
         torch.testing.assert_close(outs[0], outs[1], atol=1e-2, rtol=1e-2)
     small = make_cache(INT2_LENS, BF16_LENS, HKV, 64, 64, gen)
     q64 = torch.randn(len(INT2_LENS), HKV * gqa, 64, generator=gen).to(DEVICE, torch.bfloat16)
