@@ -322,12 +322,13 @@ STEP_VARIANTS_LEAN = [
 ]
 """``--variants --set lean``: fewer instructions per tile around the products. ``lean_tiles`` (same results): the
 key and value scales and zeros widened to fp32 before their layout change (a lane converts its 4 tokens, not the 16
-rows it receives) and the token mask folded into the key scale, zero and a per-token additive term, instead of a
-64-bit compare per row and a select per score element. ``fused_update`` (int8 values): each value plane's
+rows it receives), the token mask folded into the key scale, zero and a per-token additive term instead of a 64-bit
+compare per row and a select per score element, and the tile's token masks as 32-bit compares against the tokens
+left. ``fused_update`` (int8 values): each value plane's
 accumulator update as two fused multiply-adds. ``movmatrix``: the probabilities into the value MMA's operand layout
 by 8x8 warp transposes (head tile padded to 8). sm_90 SASS per tile and warp at the large-batch register cap
-(``benchmarks/sass_count.py --set lean``): 1,740 by default, 1,648 lean, 1,673 movmatrix, 1,597 both; 1,513 with
-int8 scores and values, 1,413 lean, 1,481 fused, 1,382 lean and fused, 1,322 with movmatrix as well."""
+(``benchmarks/sass_count.py --set lean``): 1,740 by default, 1,606 lean, 1,673 movmatrix, 1,555 both; 1,513 with
+int8 scores and values, 1,370 lean, 1,481 fused, 1,350 lean and fused, 1,296 with movmatrix as well."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
                 "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR, "async": STEP_VARIANTS_ASYNC,
                 "int8": STEP_VARIANTS_INT8, "int8-values": STEP_VARIANTS_INT8_VALUES, "lean": STEP_VARIANTS_LEAN}

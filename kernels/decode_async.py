@@ -368,16 +368,28 @@ def _decode_rows_async_kernel(
             ks, kz, vs, vz = ks_n, kz_n, vs_n, vz_n
             # the stage the tile STAGES - 1 ahead lands in was read by the iteration before: every lane is past it
             gl.thread_barrier()
-            ahead = start + (STAGES - 1) * BN + offs_t
             into = (stage + STAGES - 1) % STAGES
-            _issue_tile(K_WORDS, V_WORDS, k_ring.index(into), v_ring.index(into), slot2, ahead < hi, kvh, offs_w,
-                        stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
-            nxt = start + BN + offs_t
-            ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot1, nxt < hi, kvh, stride_kss,
-                                                  stride_ksh, stride_kzs, stride_kzh, stride_vss, stride_vsh,
-                                                  stride_vzs, stride_vzh, OFF64)
-            far = start + STAGES * BN + offs_t
-            slot_far = gl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
+            if LEAN:  # token masks as the tile offsets against the tokens left: 32-bit compares (LLVM widens the
+                left = hi - start  # loop counter to 64 bits for the addresses, and `start + offs < hi` with it)
+                live = offs_t < left
+                _issue_tile(K_WORDS, V_WORDS, k_ring.index(into), v_ring.index(into), slot2,
+                            offs_t < left - (STAGES - 1) * BN, kvh, offs_w, stride_kws, stride_kwh, stride_vws,
+                            stride_vwh, ROWS, OFF64)
+                ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot1, offs_t < left - BN,
+                                                      kvh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
+                                                      stride_vss, stride_vsh, stride_vzs, stride_vzh, OFF64)
+                far = start + STAGES * BN + offs_t
+                slot_far = gl.load(KV_INDICES + kv_start + far, mask=offs_t < left - STAGES * BN, other=0)
+            else:
+                ahead = start + (STAGES - 1) * BN + offs_t
+                _issue_tile(K_WORDS, V_WORDS, k_ring.index(into), v_ring.index(into), slot2, ahead < hi, kvh,
+                            offs_w, stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
+                nxt = start + BN + offs_t
+                ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot1, nxt < hi, kvh,
+                                                      stride_kss, stride_ksh, stride_kzs, stride_kzh, stride_vss,
+                                                      stride_vsh, stride_vzs, stride_vzh, OFF64)
+                far = start + STAGES * BN + offs_t
+                slot_far = gl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
             if STAGES == 3:
                 slot1 = slot2
                 slot2 = slot_far
@@ -388,7 +400,7 @@ def _decode_rows_async_kernel(
             gl.thread_barrier()
             # ---- scores: s = s_k (q'.c) + z_k sum(q'), online softmax over the tile
             if LEAN:
-                ksf, kzf, tail = _key_terms(ks, kz, start + offs_t < hi, Q8, ROW)
+                ksf, kzf, tail = _key_terms(ks, kz, live, Q8, ROW)
             if Q8:
                 if not LEAN:
                     ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)

@@ -241,8 +241,9 @@ ROWS_LEAN_TILES = False
 (``decode_int2(lean_tiles=...)``): the key and value scales and zeros widened to fp32 before their layout change
 (each lane converts its 4 tokens, not the 16 rows it receives), and the token mask folded into the key scale, zero and
 an additive per-token term (``-inf`` past the list's end), instead of a 64-bit compare per row and a select per
-score element. Same results bit for bit. sm_90 SASS per tile and warp (``benchmarks/sass_count.py``): see
-``bench_decode.py --variants --set lean``. Off until measured on a GPU."""
+score element; the tile's token masks as 32-bit compares against the tokens left. Same arithmetic, same results.
+sm_90 SASS per tile and warp at the large-batch register cap (``benchmarks/sass_count.py --set lean``): 1,740 ->
+1,606 by default, 1,513 -> 1,370 with int8 scores and values. Off until measured on a GPU."""
 ROWS_FUSED_UPDATE = False
 """Row-scale path, Gluon split kernel with ``int8_values``: each value plane's accumulator update as two fused
 multiply-adds, ``bits * scale + (acc * al - magic * scale)``, instead of taking the int32 sums' magic off exactly
@@ -254,7 +255,7 @@ ROWS_MOVMATRIX = False
 MMA's B operand by one ``movmatrix`` (an 8x8 transpose across the warp) per register instead of a layout conversion
 of shuffles and byte permutes (``decode_int2(movmatrix=...)``); the head tile is padded to 8 (at GQA 4 the
 accumulator layout would broadcast lanes that movmatrix tells apart). Data movement only: same results. sm_90 SASS
-per tile and warp at the large-batch register cap: 1,740 -> 1,673 by default, 1,382 -> 1,322 with int8 scores and
+per tile and warp at the large-batch register cap: 1,740 -> 1,673 by default, 1,350 -> 1,296 with int8 scores and
 values, lean tiles and the fused update. Off until measured on a GPU."""
 ROWS_EARLY_V = False
 """Row-scale path: issue the value tile's loads beside the key tile's at the top of each iteration
