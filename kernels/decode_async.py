@@ -137,7 +137,8 @@ _TRANSPOSE8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 
 @gluon.jit
 def _to_b_operand(x, B_OP: gl.constexpr):
-    """fp16 ``[BN, 8]`` in the MMA accumulator layout -> the same values in the B-operand layout ``B_OP``, by one
+    """fp16 ``[BN, H]`` (``H`` a multiple of 8) in the MMA accumulator layout -> the same values in the B-operand
+    layout ``B_OP``, by one
     ``movmatrix`` (8x8 transpose across the warp) per register: a lane's register holds row ``t/4``, columns
     ``2(t%4), +1`` of an 8-row block before, and rows ``2(t%4), +1``, column ``t/4`` after, which is the B operand's
     arrangement. The tensor keeps its layout, so its elements are relabelled by a reshape and permute (no data
@@ -145,7 +146,8 @@ def _to_b_operand(x, B_OP: gl.constexpr):
     t = gl.inline_asm_elementwise(_TRANSPOSE8, "=r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
     N: gl.constexpr = x.shape[0]
     H: gl.constexpr = x.shape[1]
-    t = gl.reshape(gl.permute(gl.reshape(t, [N // 8, 8, H]), (0, 2, 1)), [N, H])
+    # element (8g + r, 8h + c) now holds x[8g + c, 8h + r]: swap r and c within each 8x8 block
+    t = gl.reshape(gl.permute(gl.reshape(t, [N // 8, 8, H // 8, 8]), (0, 3, 2, 1)), [N, H])
     return gl.convert_layout(t, B_OP, assert_trivial=True)
 
 

@@ -386,6 +386,27 @@ def test_decode_paths_agree(path, monkeypatch):
     assert rel_err(out, ref) <= MAX_REL
 
 
+@pytest.mark.parametrize("gqa", [1, 8, 16])
+def test_decode_async_movmatrix_at_other_head_tiles(gqa):
+    """``movmatrix`` transposes each 8x8 block of the probabilities: with one query head per KV head (the head tile
+    padded from 1), 8 (no padding) and 16 (two blocks of heads) the Gluon kernel still gives the reference answer,
+    also with int8 scores and values and lean tiles against their definition."""
+    if not ON_GPU:
+        pytest.skip("the Gluon split kernel runs on CUDA only (elsewhere movmatrix has nothing to change)")
+    gen = torch.Generator().manual_seed(gqa)
+    d = 128
+    lists = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen)
+    q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.bfloat16)
+    index = lists.index(SPLITS, MAX_SPLITS)
+    for knobs, want, tol in ((dict(movmatrix=True), decode_int2_ref(q, lists.cache, index), TOL),
+                             (dict(movmatrix=True, lean_tiles=True, int8_scores=True, int8_values=True),
+                              decode_int2_ref(q, lists.cache, index, int8_scores=True, int8_values=True), TOL8V)):
+        out = torch.full(q.shape, float("nan"), device=DEVICE)
+        decode_int2(q, lists.cache, index, out=out, async_tiles=True, **knobs)
+        torch.testing.assert_close(out, want, **tol)
+        assert rel_err(out, want) <= MAX_REL
+
+
 @pytest.mark.parametrize("layout", ["head-major", "slot-major", "int64"])
 def test_decode_async_tiles(layout, monkeypatch):
     """``async_tiles`` (the Gluon split kernel: INT2 tiles staged through shared memory one tile ahead) gives the
