@@ -7,6 +7,8 @@
 #   writes     bench_quantize_pack.py --decode     (a decode step's K/V writes)
 #   decode     bench_decode.py                     (DecodePlan vs cuDNN / flash BF16)
 #   variants   bench_decode.py --variants          (a decode step per layer under each DecodePlan variant)
+#   variants:SET  bench_decode.py --variants --set SET  (one named variant set, e.g. variants:lean)
+#   lean       the split kernel's lean_tiles / movmatrix / fused_update: their GPU tests, then variants:lean
 #   extend     bench_extend.py --sweep             (chunked prefill vs SDPA BF16)
 #   cache      bench_cache.py                      (OscarCache vs DynamicCache; --random-weights without weights)
 #   calib      bench_calibration.py                (collect + fit at Qwen3-8B shapes; needs duckdb)
@@ -58,6 +60,10 @@ for s in $steps; do
     writes) run writes python3 benchmarks/bench_quantize_pack.py --decode ;;
     decode) run decode python3 benchmarks/bench_decode.py ;;
     variants) run variants python3 benchmarks/bench_decode.py --variants ;;
+    variants:*) run "variants-${s#variants:}" python3 benchmarks/bench_decode.py --variants --set "${s#variants:}" ;;
+    lean) run lean-tests python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_decode_int2.py \
+            -k "async_tiles or movmatrix"
+          run variants-lean python3 benchmarks/bench_decode.py --variants --set lean ;;
     extend) run extend python3 benchmarks/bench_extend.py --sweep ;;
     cache)
       if [ -z "${MODEL_DIR:-}" ]; then echo "== cache: skipped (no MODEL_DIR)"; continue; fi
@@ -70,6 +76,6 @@ for s in $steps; do
       if ! has duckdb || [ -z "${MODEL_DIR:-}" ] || [ ! -f "$MODEL_DIR/model.safetensors" ] || [ -z "${ARTIFACT:-}" ]; then
         echo "== ppl: skipped (needs duckdb, MODEL_DIR with its weights and ARTIFACT)"
       else run ppl bash benchmarks/eval_gpu.sh "$MODEL_DIR" "$ARTIFACT" "$OUT/store" "$OUT/ppl"; fi ;;
-    *) echo "unknown step $s (tests writes decode variants extend cache calib ppl)" >&2; exit 2 ;;
+    *) echo "unknown step $s (tests writes decode variants variants:SET lean extend cache calib ppl)" >&2; exit 2 ;;
   esac
 done
