@@ -40,6 +40,7 @@ def eval_cmd(
     methods: Annotated[str | None, typer.Option("--methods", help="Comma-separated KV methods (oscar_cli.methods): "
                                                 "bf16, int2-naive, int2-kivi, int2-hadamard[-clip], oscar[@REF], "
                                                 "oscar-noclip, oscar-int8 (int8-rounded queries over INT2 keys), "
+                                                "oscar-int8-pv (and int8-rounded probabilities over INT2 values), "
                                                 "int4-*, hf-quantized. REF: latest, vN, a path, or "
                                                 "fit:METHOD[+per-head] (newest artifact of that fit method). "
                                                 "[bf16,int2-naive,int2-hadamard,oscar]")] = None,
