@@ -5,6 +5,7 @@ Usage (from the repository root; the Gluon kernel needs the H200 image's Triton,
 
     PYTHONPATH=.venv/triton-h200 .venv/bin/python benchmarks/sass_count.py --set int8-values
     PYTHONPATH=.venv/triton-h200 .venv/bin/python benchmarks/sass_count.py --opt int8_scores=True --top 20
+    PYTHONPATH=.venv/triton-h200 .venv/bin/python benchmarks/sass_count.py --set lean --results benchmarks/RESULTS.md
 
 Each variant (``--set`` names the same variant lists as ``bench_decode.py --variants``; ``--opt key=value`` adds
 one) builds a Qwen3-8B-shaped ``DecodePlan`` (8 KV heads, GQA 4, d = 128, row scales) over CPU tensors inside
@@ -19,7 +20,8 @@ run. Counts are static: what one pass over a full tile issues, not what a profil
 variant (with the cubin's registers and stack bytes per thread, and the loop's local-memory loads and stores:
 spills inside the loop); ``--top N`` adds each variant's most frequent opcodes; ``--dump DIR`` writes each loop's
 SASS. ``--max-registers`` sets the register cap where a variant sets none (default: the cap a large batch's launch
-gets, ``ROWS_MAX_REGISTERS``; 0: none, as at batch 1).
+gets, ``ROWS_MAX_REGISTERS``; 0: none, as at batch 1). ``--results`` appends the table to a RESULTS.md as a
+section whose device is the compile (nothing ran).
 """
 
 from __future__ import annotations
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: ROWS_MAX_REGISTERS, the cap of a large batch's launch; 0 for none)")
     ap.add_argument("--top", type=int, default=0, help="print each variant's N most frequent opcodes")
     ap.add_argument("--dump", default=None, help="write each variant's loop SASS into this folder")
+    ap.add_argument("--results", default=None, help="also append the table to this RESULTS.md")
+    ap.add_argument("--commit", default=None, help="commit recorded with --results (default: the checkout's)")
     args = ap.parse_args(argv)
     variants: list[tuple[str, dict]] = []
     if args.set is not None:
@@ -194,11 +198,13 @@ def main(argv: list[str] | None = None) -> int:
             + " ".join(f"{p:>7}" for p in PIPES) + f" {'LDL/STL':>7}")
     print(head)
     print("-" * len(head))
+    rows = []
     for name, tuning in variants:
         c, pipes, ops, loop = count({"max_registers": cap, **tuning} if cap else tuning)
         regs, stack = ("?" if v is None else v for v in (c.registers, c.stack))
         print(f"{name:<36} {c.name:<26} {regs:>4} {stack:>5} {len(loop):>6} "
               + " ".join(f"{pipes.get(p, 0):>7}" for p in PIPES) + f" {ops['LDL'] + ops['STL']:>7}")
+        rows.append([name, regs, stack, len(loop), *(pipes.get(p, 0) for p in PIPES), ops["LDL"] + ops["STL"]])
         if args.top:
             print("    " + ", ".join(f"{op} {n}" for op, n in ops.most_common(args.top)))
         if args.dump:
@@ -206,7 +212,28 @@ def main(argv: list[str] | None = None) -> int:
             safe = re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
             with open(os.path.join(args.dump, f"{safe}.sass"), "w") as f:
                 f.write("\n".join(i.text for i in loop) + "\n")
+    if args.results:
+        append_results(args.results, rows, args.commit, cap)
     return 0
+
+
+def append_results(path: str, rows: list[list], commit: str | None, cap: int) -> str:
+    """The table as a RESULTS.md section (the compile's Triton as the device: nothing ran)."""
+    import triton
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from oscar_cli import code_version
+    from oscar_cli.results_md import append_section, markdown_table
+
+    table = markdown_table(["variant", "registers", "stack B", "instructions", *PIPES, "LDL/STL"], rows)
+    cap_text = f"register cap {cap} (a large batch's launch)" if cap else "no register cap (a small batch's launch)"
+    return append_section(
+        path, "Decode split kernel, sm_90 SASS per 128-token tile and warp",
+        f"no GPU (sm_90 cubins compiled by Triton {triton.__version__}; counted, nothing ran)",
+        commit or code_version(),
+        f"The Gluon split kernel of a Qwen3-8B-shaped DecodePlan (8 KV heads, GQA 4, d 128, row scales), "
+        f"{cap_text}; its tile loop's instructions by issue pipe, and local-memory loads/stores inside it (spills).",
+        table, command=["benchmarks/sass_count.py", *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -67,6 +67,18 @@ def test_no_loop_and_bad_options_are_refused(sass):
         sass.main(["--set", "nope"])
 
 
+def test_the_table_is_appended_as_a_results_section(sass, tmp_path):
+    results = tmp_path / "RESULTS.md"
+    rows = [["default", 168, 152, 1740, *range(9), 0], ["lean tiles", 168, 160, 1606, *range(9), 17]]
+    text = sass.append_results(str(results), rows, "abc1234", 168)
+    assert results.read_text() == text
+    assert "## Decode split kernel, sm_90 SASS per 128-token tile and warp: " in text and "commit abc1234" in text
+    assert "no GPU" in text and "register cap 168" in text and "Command: `python benchmarks/sass_count.py" in text
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
+    assert lines[0].startswith("| variant | registers | stack B | instructions | alu |") and len(lines) == 4
+    assert lines[3] == "| lean tiles | 168 | 160 | 1606 | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 17 |"
+
+
 @pytest.mark.slow
 def test_the_gluon_split_kernel_compiles_and_its_tile_loop_is_counted():
     if not (H200_TRITON / "triton").is_dir():
