@@ -229,10 +229,11 @@ def append_results(path: str, rows: list[list], commit: str | None, cap: int) ->
     cap_text = f"register cap {cap} (a large batch's launch)" if cap else "no register cap (a small batch's launch)"
     return append_section(
         path, "Decode split kernel, sm_90 SASS per 128-token tile and warp",
-        f"no GPU (sm_90 cubins compiled by Triton {triton.__version__}; counted, nothing ran)",
+        f"a CPU machine (sm_90 cubins from Triton {triton.__version__}, counted; nothing ran)",
         commit or code_version(),
         f"The Gluon split kernel of a Qwen3-8B-shaped DecodePlan (8 KV heads, GQA 4, d 128, row scales), "
-        f"{cap_text}; its tile loop's instructions by issue pipe, and local-memory loads/stores inside it (spills).",
+        f"{cap_text}, compiled with the H200 image's Triton (`PYTHONPATH=.venv/triton-h200`); its tile loop's "
+        f"instructions by issue pipe, and local-memory loads/stores inside it (spills).",
         table, command=["benchmarks/sass_count.py", *sys.argv[1:]])
 
 
