@@ -25,7 +25,13 @@ interpreter, which does not run Gluon).
 rotated query rounded to int8 (its own scale), the key words' bytes read from the same ring as int8 operands and
 unpacked four codes per AND (``16 c``), k = 32 MMAs (half as many), the int32 sums read as floats through a magic
 starting value. ``FOLD`` (``fold_offset``) starts each value plane's MMA from its rescaled sum less the tile's code
-offset.
+offset. ``V8`` (``int8_values``) puts the value products on int8 MMAs too (probabilities in int8 steps per tile).
+
+Three more knobs, off by default (``benchmarks/sass_count.py`` counts what each saves): ``LEAN`` (``lean_tiles``)
+does the tile's per-token bookkeeping on the slot vector's side (scales widened before their layout change, the
+token mask folded into the key terms, 32-bit tile masks; same arithmetic); ``MOVM`` (``movmatrix``) moves the
+probabilities into the value MMA's operand layout by ``movmatrix`` transposes (same results; the head tile padded to
+8); ``FUSED`` (``fused_update``, with ``V8``) updates each value plane's accumulator with two fused multiply-adds.
 """
 
 from __future__ import annotations
