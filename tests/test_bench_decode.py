@@ -59,7 +59,7 @@ def test_named_variant_sets_are_chosen_by_set(bench):
                                         "int8-values", "lean"}
     assert bench.parse_args(["--variants", "--set", "async"]).variant_set == "async"
     assert bench.parse_args(["--variants", "--set", "lean"]).variant_set == "lean"
-    assert all(set(kw) <= {"lean_tiles", "fused_update", "movmatrix", "int8_scores", "int8_values", "max_registers"}
+    assert all(set(kw) <= {"lean_tiles", "fused_update", "movmatrix", "int8_scores", "int8_values", "max_registers", "split_tokens"}
                for _, kw in bench.VARIANT_SETS["lean"])
     assert bench.parse_args(["--variants", "--set", "int8"]).variant_set == "int8"
     with pytest.raises(SystemExit):
