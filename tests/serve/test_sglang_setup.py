@@ -150,6 +150,7 @@ def test_settings_round_trip_through_the_override_json():
     ('{"oscar": {"artifact": "a", "decode_tuning": {"lean_tiles": 1}}}', "lean_tiles must be true or false"),
     ('{"oscar": {"artifact": "a", "decode_tuning": {"num_stages": true}}}', "num_stages must be a positive integer"),
     ('{"oscar": {"artifact": "a", "decode_tuning": {"max_registers": 0}}}', "max_registers must be a positive"),
+    ('{"oscar": {"artifact": "a", "decode_tuning": {"split_tokens": 1.5}}}', "split_tokens must be a positive"),
     ("{oscar", "not valid JSON"),
     ("[1]", "JSON object"),
 ])

@@ -21,8 +21,8 @@ Settings (the quant scheme itself is the artifact's):
 * ``int8_scores``, ``int8_values``: the decode kernel's int8 variants (these do change the numerics, within their
   definitions);
 * ``decode_tuning``: launch options of the decode kernel that keep its numerics (``lean_tiles``, ``movmatrix``,
-  ``num_stages``, ``max_registers``) or change only its rounding (``fused_update``), for benchmarking them in the
-  engine.
+  ``num_stages``, ``max_registers``, ``split_tokens``) or change only its rounding (``fused_update``), for
+  benchmarking them in the engine.
 
 Pure Python: no torch, no SGLang.
 """
@@ -48,7 +48,7 @@ when the cached prompt went on (a shared 2k-token system prompt followed by diff
 
 
 DECODE_TUNING: dict[str, type] = {"lean_tiles": bool, "fused_update": bool, "movmatrix": bool, "num_stages": int,
-                                  "max_registers": int}
+                                  "max_registers": int, "split_tokens": int}
 """``decode_tuning`` keys (``oscar_kernels.DecodePlan`` / ``decode_int2`` keywords) and their types."""
 
 
