@@ -334,8 +334,8 @@ by 8x8 warp transposes (head tile padded to 8). sm_90 SASS per tile and warp at 
 (``benchmarks/sass_count.py --set lean``): 1,740 by default, 1,606 lean, 1,673 movmatrix, 1,555 both; 1,513 with
 int8 scores and values, 1,370 lean, 1,481 fused, 1,350 lean and fused, 1,296 with movmatrix as well (the lean loops
 reload 8-17 spilled values per tile under the 168 cap; the last variant lifts the cap to 192: 1,277 instructions,
-3 reloads, 10 resident warps per SM instead of 12). A split program's prologue and epilogue are ~1,100
-instructions, ~0.8 tile at bs50/100k's 49 splits of ~16 tiles: the 4096-token splits halve their share there (25
+3 reloads, 10 resident warps per SM instead of 12). A split program's prologue and epilogue are ~1,150
+instructions with int8, ~0.8 tile at bs50/100k's 49 splits of ~16 tiles: the 4096-token splits halve their share there (25
 splits), at some load balance."""
 VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
                 "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR, "async": STEP_VARIANTS_ASYNC,
