@@ -388,7 +388,8 @@ def _decode_rows_async_kernel(
                                                       stride_vss, stride_vsh, stride_vzs, stride_vzh, OFF64)
                 far = start + STAGES * BN + offs_t
                 slot_far = gl.load(KV_INDICES + kv_start + far, mask=offs_t < left - STAGES * BN, other=0)
-            else:
+            else:  # statement for statement as before LEAN: sharing the calls above moves LLVM's schedule of the
+                # default kernel (its sm_90 SASS changes); merge the branches once LEAN is measured and settled
                 ahead = start + (STAGES - 1) * BN + offs_t
                 _issue_tile(K_WORDS, V_WORDS, k_ring.index(into), v_ring.index(into), slot2, ahead < hi, kvh,
                             offs_w, stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
@@ -409,10 +410,10 @@ def _decode_rows_async_kernel(
             # ---- scores: s = s_k (q'.c) + z_k sum(q'), online softmax over the tile
             if LEAN:
                 ksf, kzf, tail = _key_terms(ks, kz, live, Q8, ROW)
+            elif Q8:
+                ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
+                kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
             if Q8:
-                if not LEAN:
-                    ksf = gl.expand_dims(gl.convert_layout(ks, ROW).to(gl.float32), 1)
-                    kzf = gl.expand_dims(gl.convert_layout(kz, ROW).to(gl.float32), 1)
                 c0, c1, c2, c3 = _byte_planes_s8(k_ring.index(stage)._reinterpret(gl.int8, [BN, 2 * W], RING8)
                                                  .load(A_OP8))
                 qi = mma_v2(c0, p8_0, i_init)
