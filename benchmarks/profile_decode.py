@@ -20,6 +20,7 @@ import argparse
 
 import torch
 from bench_decode import Int2Case
+from sass_count import parse_opts  # sibling scripts: benchmarks/ is sys.path[0]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,13 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def options(opts: list[str]) -> dict:
-    return {k: (v == "True" if v in ("True", "False") else int(v)) for k, v in (o.split("=") for o in opts)}
-
-
 def main() -> None:
     args = parse_args()
-    kw = options(args.opt)
+    kw = parse_opts(args.opt)
     case = Int2Case(args.bs, args.ctx, torch.Generator(device="cuda").manual_seed(0), **({} if not args.run else kw))
     fn = case.run() if args.run else case.fn(**kw)
     fn()

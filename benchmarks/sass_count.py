@@ -156,6 +156,8 @@ def count(tuning: dict):
 
 
 def parse_opts(opts: list[str]) -> dict:
+    """``--opt key=value`` strings -> keyword arguments (``True``/``False`` as booleans, the rest as integers); also
+    ``profile_decode.py``'s."""
     out = {}
     for o in opts:
         if "=" not in o:
@@ -221,7 +223,6 @@ def append_results(path: str, rows: list[list], commit: str | None, cap: int) ->
     """The table as a RESULTS.md section (the compile's Triton as the device: nothing ran)."""
     import triton
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from oscar_cli import code_version
     from oscar_cli.results_md import append_section, markdown_table
 
