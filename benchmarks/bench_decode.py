@@ -328,9 +328,8 @@ STEP_VARIANTS_LEAN = [
 key and value scales and zeros widened to fp32 before their layout change (a lane converts its 4 tokens, not the 16
 rows it receives), the token mask folded into the key scale, zero and a per-token additive term instead of a 64-bit
 compare per row and a select per score element, and the tile's token masks as 32-bit compares against the tokens
-left. ``fused_update`` (int8 values): each value plane's
-accumulator update as two fused multiply-adds. ``movmatrix``: the probabilities into the value MMA's operand layout
-by 8x8 warp transposes (head tile padded to 8). sm_90 SASS per tile and warp at the large-batch register cap
+left. ``fused_update`` (int8 values): each value plane's accumulator update as two fused multiply-adds.
+``movmatrix``: the probabilities into the value MMA's operand layout by 8x8 warp transposes (head tile padded to 8). sm_90 SASS per tile and warp at the large-batch register cap
 (``benchmarks/sass_count.py --set lean``): 1,740 by default, 1,606 lean, 1,673 movmatrix, 1,555 both; 1,513 with
 int8 scores and values, 1,370 lean, 1,481 fused, 1,350 lean and fused, 1,296 with movmatrix as well (the lean loops
 reload 8-17 spilled values per tile under the 168 cap; the last variant lifts the cap to 192: 1,277 instructions,

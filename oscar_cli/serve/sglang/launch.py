@@ -90,7 +90,7 @@ def build_launch(model_path: str, artifact: Path, host: str, port: int, extra: l
     if problems:
         raise ServeRefusal(f"oscar: {problems[0]}")
     settings = OscarSettings(artifact=Path(artifact).resolve(), int8_scores=int8_scores, int8_values=int8_values,
-                             decode_tuning=dict(decode_tuning or {}))
+                             decode_tuning=decode_tuning or {})
     user_overrides = flags.get("--json-model-override-args")
     overrides = write_settings(settings, user_overrides if isinstance(user_overrides, str) else None)
     rest = _without(extra, "--json-model-override-args")
