@@ -48,6 +48,11 @@ BLOCK_N = gl.constexpr(128)
 """INT2 tokens per tile (the MMA M of the key product and K of the value product)."""
 BLOCK_NB = gl.constexpr(32)
 """Exact rows per tile of an exact program."""
+P_MAGIC = gl.constexpr(1536.0)
+"""``int8_values``: the fp16 the rounded probabilities are added onto. fp16 steps by 1 from 1024 to 2048 and 1536's
+mantissa has a zero low byte, so ``P_MAGIC - 1/2 + y`` (``0 <= y < 128``: a probability in steps plus its row's
+dither) rounds to ``1536 + floor(y)``, whose low byte is ``floor(y)``. With 1024 instead, ``y < 1/4`` would land
+below 1024, where fp16 steps by 1/2, and its low byte would read -1."""
 STAGES = 2
 """Shared-memory stages of the INT2 code words: the tile computed and ``STAGES - 1`` in flight (2 or 3; three
 measured slower on an H200, ``bench_decode.py --variants --set async``)."""
@@ -102,7 +107,8 @@ def _value_planes_s8(x):
 
 @gluon.jit
 def _low_bytes(x):
-    """fp16 ``1024 + n`` (``0 <= n < 256``) -> int8 ``n`` (bits), four elements per PRMT."""
+    """fp16 ``1536 + n`` (``0 <= n < 128``; any fp16 whose mantissa's low byte is ``n``) -> int8 ``n`` (bits), four
+    elements per PRMT."""
     return gl.inline_asm_elementwise(_LOW_BYTES, "=r,r,r", [x], dtype=gl.int8, is_pure=True, pack=4)
 
 
@@ -366,11 +372,11 @@ def _decode_rows_async_kernel(
         a6 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
         a7 = gl.zeros([W, BLOCK_H], gl.float32, MMA)
         offs_r = gl.arange(0, BN, layout=ROW)
-        if V8:  # each row's rounding offset: fp16 1024 - 1/2 plus the row's dither (bit-reversed row + 1/2) / 128
+        if V8:  # each row's rounding offset: fp16 P_MAGIC - 1/2 plus the row's dither (bit-reversed row + 1/2) / 128
             r = offs_r
             rv = ((r & 1) << 6) | ((r & 2) << 4) | ((r & 4) << 2) | (r & 8) | ((r >> 2) & 4) | ((r >> 4) & 2) \
                 | ((r >> 6) & 1)
-            p_add = gl.expand_dims((OFF - 0.5) + (rv.to(gl.float32) + 0.5) * (1.0 / 128.0), 1)
+            p_add = gl.expand_dims((P_MAGIC - 0.5) + (rv.to(gl.float32) + 0.5) * (1.0 / 128.0), 1)
         stage = 0
         for start in range(lo, hi, BN):
             ks, kz, vs, vz = ks_n, kz_n, vs_n, vz_n
@@ -445,7 +451,7 @@ def _decode_rows_async_kernel(
             if V8:
                 # int8 values: probabilities relative to each head's tile maximum (p / max_t p = 2**(s - max s)),
                 # times the token's value scale over the tile's largest, in int8 steps of 1/127 rounded down after
-                # adding the row's dither (one fused multiply-add onto fp16's 1024 - 1/2 + dither, whose low byte
+                # adding the row's dither (one fused multiply-add onto fp16's 1536 - 1/2 + dither, whose low byte
                 # is then the integer: no bias from the many small probabilities); the value planes' int8 codes
                 # (c or 4c) against them in k = 32 MMAs summed exactly in int32 from the magic start, scaled back
                 # per head by 2**(max s - m) * max_t vs / 127 into the fp32 plane accumulators

@@ -526,6 +526,26 @@ def test_int8_value_weights_round_each_tile_to_its_own_steps():
     assert not int8_value_weights(s[:10], torch.zeros(10)).any()
 
 
+def test_int8_values_magic_rounding_gives_the_dithered_floor():
+    """The Gluon kernel's int8-value rounding on the CPU: each probability in steps ``x`` (0..127) plus its row's
+    dither, added in fp32 onto ``P_MAGIC - 1/2`` and converted to fp16 (round to nearest), has as its low byte the
+    definition's ``floor(x + u)`` (``int8_value_weights``) for every row of a tile, small ``x`` included (with 1024
+    as the magic, ``x + u < 1/4`` fell below 1024 and read -1)."""
+    from oscar_kernels.decode_async import P_MAGIC
+
+    u = value_dither()
+    x = torch.cat([torch.linspace(0, 127, 12_701), torch.rand(4096, generator=torch.Generator().manual_seed(7)) * 0.3,
+                   torch.zeros(1)])
+    y = x[:, None] + u[None, :]
+    half = (y.to(torch.float32) + (P_MAGIC.value - 0.5)).to(torch.float16)
+    low = (half.view(torch.int16) & 0xFF).to(torch.int8)
+    want = torch.floor(y)
+    ties = (y - y.round()).abs() < 1e-4  # fp32 sums within an ulp of an integer may round either way
+    assert (low.float() == want)[~ties].all()
+    assert ((low.float() - want).abs() <= 1)[ties].all()
+    assert low.min() >= 0 and low.max() <= 127
+
+
 def test_decode_ref_int8_values_changes_only_the_int2_rows_code_terms():
     """The int8-values reference: with equal scores and scales in every tile (all weights on the grid) it is the
     plain reference; with random ones nearby but different; row scales only."""
