@@ -92,6 +92,14 @@ def test_refuses_with_one_line_without_cuda(monkeypatch, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_bad_decode_tuning_is_a_one_line_error_before_anything_runs(tmp_path):
+    r = invoke("--configs", "oscar", "--decode-tuning", "lean=1", "--out", tmp_path / "o")
+    one_line_error(r, "--decode-tuning 'lean=1'", "lean_tiles", "split_tokens")
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(d.BenchError, match="--decode-tuning applies to the oscar configurations"):
+        d.BenchConfig(out=tmp_path, configs=("flashinfer",), decode_tuning=(("split_tokens", 4096),))
+
+
 def test_bench_config_refuses_contexts_that_do_not_fit(tmp_path):
     with pytest.raises(d.BenchError, match="--context-length 65536"):
         d.BenchConfig(out=tmp_path, context_length=65536)
@@ -782,6 +790,36 @@ def test_server_process_start_and_stop(tmp_path, monkeypatch):
     finally:
         srv.stop()
     assert not srv.alive() and srv.proc.returncode is not None
+
+
+def test_decode_tuning_runs_every_oscar_configuration_under_its_own_name(tmp_path, qwen):
+    """``--decode-tuning`` goes over each oscar configuration's own options (the baselines run as they are); its
+    records are named CONFIG+KEY=VALUE,... and its KV label says the options, so the table keeps them apart; the
+    server gets the merged options through the plugin's settings."""
+    _, model, art = qwen
+    tuning = (("split_tokens", 4096), ("movmatrix", False))
+    cfg = d.BenchConfig(out=tmp_path, configs=("flashinfer", "oscar-int8-pv-lean"), measures=("capacity",),
+                        command="oscar bench", budget_s=3600.0, decode_tuning=tuning)
+    started = []
+
+    def start(config, cfg_, model_, artifact, timeout):
+        started.append(config)
+        return StubServer()
+
+    recs = d.run(cfg, start=start, measures={"capacity": lambda run: run.add("admission", requests=1,
+                                                                         context=32768)},
+                 gpu=lambda: 1000.0, device="test device", prepare=lambda c: (model, art))
+    name = "oscar-int8-pv-lean+split_tokens=4096,movmatrix=false"
+    assert [c.name for c in started] == ["flashinfer", name]
+    assert started[0] == d.CONFIGS["flashinfer"]
+    assert dict(started[1].decode_tuning) == {"lean_tiles": True, "fused_update": True, "movmatrix": False,
+                                              "split_tokens": 4096}
+    assert started[1].int8_values and started[1].kv.endswith(", split_tokens=4096, movmatrix=false")
+    assert {r["config"] for r in recs if r["measure"] != "plugin_check"} == {"flashinfer", name}
+    assert [row[0] for row in d.summary_rows(recs)] == ["flashinfer", name]
+    argv, _ = d.server_argv(started[1], cfg, model, art, tmp_path / "p")
+    settings = json.loads(dict(zip(argv[3::2], argv[4::2], strict=False))["--json-model-override-args"])["oscar"]
+    assert settings["decode_tuning"] == dict(started[1].decode_tuning) and settings["int8_scores"] is True
 
 
 def test_each_backends_first_start_gets_the_start_timeout(tmp_path, qwen):

@@ -60,6 +60,7 @@ from .spec import (
     prepare_model,
     requests_at,
     tokenizer_vocab,
+    tuned,
 )
 
 
@@ -392,7 +393,7 @@ def profile_point(run: Run, batch: int, context: int) -> dict:
 
 
 def measure_profile(run: Run) -> list[dict]:
-    if run.config.name not in PROFILED:
+    if run.config.name not in PROFILED and run.config.backend != "oscar":
         return [run.add("profile", skipped=f"profiles compare {', '.join(PROFILED)} only")]
     out = []
     for batch in dict.fromkeys([1, run.largest_batch() or 1]):
@@ -431,7 +432,8 @@ def run(cfg: BenchConfig, progress: Progress | None = None, *, start: Callable[.
     progress.start(len(cfg.configs) * (1 + len(cfg.measures)))
     started: set[str] = set()  # backends started in this command
     for i, name in enumerate(cfg.configs):
-        config = CONFIGS[name]
+        config = tuned(CONFIGS[name], cfg.decode_tuning)
+        name = config.name
         steps_left = 1 + len(cfg.measures)
         if deadline - time.perf_counter() < MIN_MEASURE_S:
             r = rec.add("server", name, skipped="time budget spent before the server start")

@@ -3,6 +3,7 @@ server arguments (see :mod:`oscar_cli.bench` for the whole spec)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -157,6 +158,9 @@ class BenchConfig:
     """Passed to every server after the bench's own flags."""
     command: str = ""
     commit: str | None = None
+    decode_tuning: tuple[tuple[str, bool | int], ...] = ()
+    """Decode-kernel launch options added to every oscar configuration (``--decode-tuning``; see
+    :func:`tuned`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out", Path(self.out))
@@ -174,8 +178,24 @@ class BenchConfig:
         if any(c <= self.decode_tokens + SUFFIX_TOKENS or c > self.context_length for c in lengths):
             raise BenchError(f"every context ({', '.join(map(str, lengths))}) must exceed --decode-tokens + "
                              f"{SUFFIX_TOKENS} and fit --context-length {self.context_length}")
+        if self.decode_tuning and not any(CONFIGS[c].backend == "oscar" for c in self.configs):
+            raise BenchError("--decode-tuning applies to the oscar configurations and none is selected; add one "
+                             "to --configs (e.g. oscar-int8-pv) or drop --decode-tuning")
         object.__setattr__(self, "configs", tuple(c for c in CONFIGS if c in self.configs))
         object.__setattr__(self, "measures", tuple(m for m in RUN_ORDER if m in self.measures))
+
+
+def tuned(config: ServeConfig, tuning: tuple[tuple[str, bool | int], ...]) -> ServeConfig:
+    """``config`` with ``--decode-tuning``'s options over its own (oscar configurations; a baseline is returned as
+    is). The result is named ``NAME+KEY=VALUE,...`` and its KV label says the options, so its records never mix
+    with the plain configuration's."""
+    if config.backend != "oscar" or not tuning:
+        return config
+    from oscar_cli.serve.sglang.settings import describe_decode_tuning
+
+    label = describe_decode_tuning(tuning)
+    return dataclasses.replace(config, name=f"{config.name}+{label}", kv=f"{config.kv}, {label.replace(',', ', ')}",
+                               decode_tuning=tuple({**dict(config.decode_tuning), **dict(tuning)}.items()))
 
 
 def parse_names(spec: str, allowed: Iterable[str], what: str) -> tuple[str, ...]:

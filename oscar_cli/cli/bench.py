@@ -117,6 +117,11 @@ def bench_cmd(
                                                "is not the code's, e.g. a copied working tree).")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw tokens/s and memory against batch and context "
                                               "into this image.")] = None,
+    decode_tuning: Annotated[str, typer.Option("--decode-tuning", help="Decode-kernel launch options added to "
+                                               "every oscar configuration, KEY=VALUE[,KEY=VALUE...] with KEY among "
+                                               "lean_tiles, fused_update, movmatrix (true/false), num_stages, "
+                                               "max_registers, split_tokens (integers); such a run is recorded "
+                                               "as CONFIG+KEY=VALUE,...")] = "",
     json_out: JsonOpt = False,
     store: StoreOpt = DEFAULT_STORE,
 ) -> None:
@@ -129,6 +134,9 @@ def bench_cmd(
 
     Arguments after -- go to every server: oscar bench --configs oscar -- --chunked-prefill-size 4096
     """
+    from ..serve.sglang.settings import parse_decode_tuning
+
+    tuning = parse_decode_tuning(decode_tuning)
     d = driver()
     if render is not None:
         records = _bench_errors(d.load_records, render)
@@ -150,7 +158,8 @@ def bench_cmd(
         latency_contexts=tuple(int(s) for s in latency_contexts.split(",") if s.strip()),
         decode_tokens=decode_tokens, equal_batch=equal_batch, fill=fill, prefill_budget=prefill_budget,
         max_running_requests=max_running, cuda_graph_max_bs=graph_bs, budget_s=budget_s,
-        start_timeout_s=start_timeout, port=port, extra=tuple(ctx.args), command=_command(), commit=commit)
+        start_timeout_s=start_timeout, port=port, extra=tuple(ctx.args), command=_command(), commit=commit,
+        decode_tuning=tuple(tuning.items()))
     _bench_errors(_run, d, cfg, json_out)
     records = d.load_records(Path(cfg.out) / d.RESULTS_FILE)
     default_md = Path("benchmarks/RESULTS.md")  # as the other benchmarks: relative to the checkout it runs in

@@ -46,6 +46,11 @@ def serve_cmd(
                                               "INT2 cache from int8 tensor-core products (probabilities rounded "
                                               "to int8 steps per tile): faster at large batches, slightly less "
                                               "exact.")] = False,
+    decode_tuning: Annotated[str, typer.Option("--decode-tuning", help="SGLang engine: decode-kernel launch "
+                                               "options, KEY=VALUE[,KEY=VALUE...] with KEY among lean_tiles, "
+                                               "fused_update, movmatrix (true/false), num_stages, max_registers, "
+                                               "split_tokens (integers); default: the kernel's measured "
+                                               "defaults.")] = "",
     store: StoreOpt = DEFAULT_STORE,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics) on a model with an
@@ -60,7 +65,11 @@ def serve_cmd(
         raise OscarError(f"--engine {engine!r}: choose auto, sglang or transformers")
     cfg = ServeConfig(host=host, port=port, model_id=served_name, max_queue=max_queue, max_context=max_context)
     chosen = pick_engine(engine)
-    for flag, on in (("--int8-scores", int8_scores), ("--int8-values", int8_values)):
+    from ..serve.sglang.settings import parse_decode_tuning
+
+    tuning = parse_decode_tuning(decode_tuning)
+    for flag, on in (("--int8-scores", int8_scores), ("--int8-values", int8_values),
+                     ("--decode-tuning", bool(tuning))):
         if chosen == "transformers" and on:
             raise OscarError(f"{flag} is an SGLang engine option (its CUDA decode kernel); drop it or pass "
                              "--engine sglang")
@@ -68,7 +77,7 @@ def serve_cmd(
         raise OscarError(f"extra engine arguments ({' '.join(extra)}) are for --engine sglang; the transformers "
                          "engine takes none (drop the part after --)")
     if chosen == "sglang":
-        _run_sglang(model, artifact, store, cfg, extra, int8_scores, int8_values)
+        _run_sglang(model, artifact, store, cfg, extra, int8_scores, int8_values, tuning)
     else:
         _run_transformers(model, artifact, store, cfg)
 
@@ -162,7 +171,7 @@ def _signals_noted(seen: list[int]):
 
 
 def _run_sglang(model: str, artifact: str | None, store: Path, cfg, extra: list[str], int8_scores: bool = False,
-                int8_values: bool = False) -> None:
+                int8_values: bool = False, decode_tuning: dict | None = None) -> None:
     try:
         from ..serve.sglang.launch import build_launch
     except ImportError as e:
@@ -180,7 +189,7 @@ def _run_sglang(model: str, artifact: str | None, store: Path, cfg, extra: list[
         raise OscarError("--engine sglang serves an artifact's INT2 cache: pass --artifact latest|vN|PATH")
     art = load_artifact(path, _fingerprint(model, store, folder))
     argv, env = build_launch(str(folder) if folder is not None else model, path, cfg.host, cfg.port, extra,
-                             int8_scores=int8_scores, int8_values=int8_values)
+                             int8_scores=int8_scores, int8_values=int8_values, decode_tuning=decode_tuning)
     s = art.scheme
     console.print(f"serving {slug} (oscar, artifact {art.name}, INT{s.bits} group {s.group or 'head dim'}, sink "
                   f"{s.sink}, recent {s.recent}) at {cfg.url} (engine sglang)", highlight=False, soft_wrap=True)

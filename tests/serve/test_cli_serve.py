@@ -78,9 +78,10 @@ def test_sglang_without_its_launch_module_says_so(monkeypatch):
 def test_sglang_execs_what_build_launch_returns(monkeypatch, word_model, serve_store, word_artifact):
     calls: dict = {}
 
-    def build_launch(model_path, artifact, host, port, extra, int8_scores=False, int8_values=False):
+    def build_launch(model_path, artifact, host, port, extra, int8_scores=False, int8_values=False,
+                     decode_tuning=None):
         calls["build"] = (model_path, artifact, host, port, extra)
-        calls["int8"] = int8_scores or int8_values
+        calls["int8"] = int8_scores or int8_values or bool(decode_tuning)
         return ["/bin/sglang-server", "--model-path", model_path], {"SGLANG_PLUGINS": "oscar"}
 
     def execvpe(file, argv, env):
@@ -104,12 +105,14 @@ def test_sglang_execs_what_build_launch_returns(monkeypatch, word_model, serve_s
                      r"\(engine sglang\)", r.output), r.output
 
 
-@pytest.mark.parametrize("flag", ["--int8-scores", "--int8-values"])
-def test_int8_options_reach_build_launch_and_are_sglang_only(monkeypatch, word_model, serve_store, flag):
+@pytest.mark.parametrize("flag", ["--int8-scores", "--int8-values", "--decode-tuning=lean_tiles=true,split_tokens=4096"])
+def test_kernel_options_reach_build_launch_and_are_sglang_only(monkeypatch, word_model, serve_store, flag):
     calls: dict = {}
 
-    def build_launch(model_path, artifact, host, port, extra, int8_scores=False, int8_values=False):
+    def build_launch(model_path, artifact, host, port, extra, int8_scores=False, int8_values=False,
+                     decode_tuning=None):
         calls["int8"] = (int8_scores, int8_values)
+        calls["tuning"] = decode_tuning
         return ["/bin/sglang-server"], {}
 
     launch = types.ModuleType(LAUNCH)
@@ -120,9 +123,13 @@ def test_int8_options_reach_build_launch_and_are_sglang_only(monkeypatch, word_m
                flag)
     assert r.exit_code == 0, r.output
     assert calls["int8"] == (flag == "--int8-scores", flag == "--int8-values")
+    assert calls["tuning"] == ({"lean_tiles": True, "split_tokens": 4096} if flag.startswith("--decode") else {})
     msg = one_line_error(invoke("--engine", "transformers", "--model", str(word_model), "--artifact", "latest",
                                 "--store", str(serve_store), flag))
-    assert f"{flag} is an SGLang engine option" in msg and "--engine sglang" in msg
+    assert f"{flag.partition('=')[0]} is an SGLang engine option" in msg and "--engine sglang" in msg
+    bad = one_line_error(invoke("--engine", "sglang", "--model", str(word_model), "--artifact", "latest",
+                                "--store", str(serve_store), "--decode-tuning", "split_tokens=many"))
+    assert "--decode-tuning split_tokens=many: split_tokens takes a positive integer" in bad
 
 
 def test_sglang_needs_an_artifact(monkeypatch, word_model, serve_store):

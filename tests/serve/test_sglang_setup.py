@@ -20,7 +20,14 @@ from oscar_cli.serve.sglang.refusals import (
     server_args_refusals,
     server_args_view,
 )
-from oscar_cli.serve.sglang.settings import OscarSettings, SettingsError, read_settings, write_settings
+from oscar_cli.serve.sglang.settings import (
+    OscarSettings,
+    SettingsError,
+    describe_decode_tuning,
+    parse_decode_tuning,
+    read_settings,
+    write_settings,
+)
 from oscar_cli.serve.sglang.setup import load_checked_artifact, rank_setup
 from oscar_cli.serve.sglang.sizing import budget
 from oscar_cli.serve.sglang.tp import layer_stack, rank_heads, slice_for_rank
@@ -158,6 +165,30 @@ def test_bad_settings_are_one_line_errors(text, words):
     with pytest.raises(SettingsError) as e:
         read_settings(text)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_decode_tuning_from_the_command_line():
+    """``--decode-tuning`` (oscar serve / oscar bench): KEY=VALUE items typed by DECODE_TUNING, round-tripped by
+    ``describe_decode_tuning``; what OscarSettings accepts."""
+    t = parse_decode_tuning(" lean_tiles=true, split_tokens=4096,movmatrix=False ,")
+    assert t == {"lean_tiles": True, "split_tokens": 4096, "movmatrix": False}
+    assert parse_decode_tuning("") == {} and parse_decode_tuning(describe_decode_tuning(t)) == t
+    assert describe_decode_tuning(t) == "lean_tiles=true,split_tokens=4096,movmatrix=false"
+    assert OscarSettings(artifact=Path("/a"), decode_tuning=t).decode_tuning == t
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("lean=true", "'lean=true': expected KEY=VALUE with KEY one of lean_tiles"),
+    ("lean_tiles", "'lean_tiles': expected KEY=VALUE"),
+    ("lean_tiles=1", "lean_tiles takes true or false"),
+    ("split_tokens=0", "split_tokens takes a positive integer"),
+    ("max_registers=1.5", "max_registers takes a positive integer"),
+    ("movmatrix=true,movmatrix=false", "movmatrix is given twice"),
+])
+def test_bad_decode_tuning_is_a_one_line_error(spec, words):
+    with pytest.raises(SettingsError) as e:
+        parse_decode_tuning(spec)
+    assert words in str(e.value) and str(e.value).startswith("--decode-tuning") and "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------------------ refusals

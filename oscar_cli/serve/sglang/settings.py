@@ -52,6 +52,38 @@ DECODE_TUNING: dict[str, type] = {"lean_tiles": bool, "fused_update": bool, "mov
 """``decode_tuning`` keys (``oscar_kernels.DecodePlan`` / ``decode_int2`` keywords) and their types."""
 
 
+def parse_decode_tuning(spec: str) -> dict[str, bool | int]:
+    """``KEY=VALUE[,KEY=VALUE...]`` (the command-line form of ``decode_tuning``: keys of :data:`DECODE_TUNING`,
+    ``true``/``false`` for switches, positive integers for counts) as a dict; :class:`SettingsError` with one line
+    naming the bad item otherwise. An empty string is no tuning."""
+    tuning: dict[str, bool | int] = {}
+    for item in (t.strip() for t in spec.split(",")):
+        if not item:
+            continue
+        key, eq, value = (x.strip() for x in item.partition("="))
+        kind = DECODE_TUNING.get(key)
+        if kind is None or not eq:
+            raise SettingsError(f"--decode-tuning {item!r}: expected KEY=VALUE with KEY one of "
+                                f"{', '.join(DECODE_TUNING)} (e.g. lean_tiles=true,split_tokens=4096)")
+        if key in tuning:
+            raise SettingsError(f"--decode-tuning {key} is given twice; give each key once")
+        if kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise SettingsError(f"--decode-tuning {key}={value}: {key} takes true or false")
+            tuning[key] = value.lower() == "true"
+        else:
+            if not value.isdigit() or int(value) < 1:
+                raise SettingsError(f"--decode-tuning {key}={value}: {key} takes a positive integer")
+            tuning[key] = int(value)
+    return tuning
+
+
+def describe_decode_tuning(tuning: dict[str, Any] | tuple[tuple[str, Any], ...]) -> str:
+    """``lean_tiles=true,split_tokens=4096``: :func:`parse_decode_tuning`'s input form (empty for none)."""
+    items = tuning.items() if isinstance(tuning, dict) else tuning
+    return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items)
+
+
 class SettingsError(OscarError):
     """The ``oscar`` entry of ``--json-model-override-args`` is missing or malformed."""
 
