@@ -40,6 +40,10 @@ ModelOpt = Annotated[
 StoreOpt = Annotated[Path, typer.Option("--store", help="Store folder (DuckDB database and converted models).")]
 ArtifactsOpt = Annotated[Path, typer.Option("--artifacts", help="Folder that holds artifacts/<model>/v<N>/.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+DecodeTuningOpt = Annotated[str, typer.Option("--decode-tuning", help="Decode-kernel launch options of the SGLang "
+                                              "engine, KEY=VALUE[,KEY=VALUE...] with KEY among lean_tiles, "
+                                              "fused_update, movmatrix (true/false), num_stages, max_registers, "
+                                              "split_tokens (integers); default: the kernel's measured defaults.")]
 RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="Recipe YAML (recipes/<model>.yaml); flags override it.")]
 
 DEFAULTS = {"model": DEFAULT_MODEL, "store": DEFAULT_STORE, "artifacts": DEFAULT_ARTIFACTS}

@@ -18,7 +18,7 @@ import typer
 
 from ..config import DEFAULT_MODEL, DEFAULT_STORE
 from ..errors import OscarError
-from ._app import JsonOpt, StoreOpt, app, console, guarded, out
+from ._app import DecodeTuningOpt, JsonOpt, StoreOpt, app, console, guarded, out
 
 DEFAULT_OUT = Path(".oscar/bench")
 TABLE_WIDTH = 220
@@ -117,11 +117,7 @@ def bench_cmd(
                                                "is not the code's, e.g. a copied working tree).")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw tokens/s and memory against batch and context "
                                               "into this image.")] = None,
-    decode_tuning: Annotated[str, typer.Option("--decode-tuning", help="Decode-kernel launch options added to "
-                                               "every oscar configuration, KEY=VALUE[,KEY=VALUE...] with KEY among "
-                                               "lean_tiles, fused_update, movmatrix (true/false), num_stages, "
-                                               "max_registers, split_tokens (integers); such a run is recorded "
-                                               "as CONFIG+KEY=VALUE,...")] = "",
+    decode_tuning: DecodeTuningOpt = "",
     json_out: JsonOpt = False,
     store: StoreOpt = DEFAULT_STORE,
 ) -> None:
@@ -133,6 +129,9 @@ def bench_cmd(
     Render recorded results only: oscar bench --render /tmp/oscar-bench/results.jsonl --plot bench.png
 
     Arguments after -- go to every server: oscar bench --configs oscar -- --chunked-prefill-size 4096
+
+    Decode-kernel options on every oscar configuration, recorded as CONFIG+KEY=VALUE,...:
+    oscar bench --configs flashinfer,oscar-int8-pv --decode-tuning split_tokens=4096
     """
     from ..serve.sglang.settings import parse_decode_tuning
 

@@ -15,7 +15,7 @@ import typer
 from ..config import DEFAULT_MODEL, DEFAULT_STORE
 from ..errors import OscarError
 from ..serve.config import ServeConfig
-from ._app import StoreOpt, app, console, guarded
+from ._app import DecodeTuningOpt, StoreOpt, app, console, guarded
 
 ENGINES = ("auto", "sglang", "transformers")
 BACKLOG = 2048
@@ -46,11 +46,7 @@ def serve_cmd(
                                               "INT2 cache from int8 tensor-core products (probabilities rounded "
                                               "to int8 steps per tile): faster at large batches, slightly less "
                                               "exact.")] = False,
-    decode_tuning: Annotated[str, typer.Option("--decode-tuning", help="SGLang engine: decode-kernel launch "
-                                               "options, KEY=VALUE[,KEY=VALUE...] with KEY among lean_tiles, "
-                                               "fused_update, movmatrix (true/false), num_stages, max_registers, "
-                                               "split_tokens (integers); default: the kernel's measured "
-                                               "defaults.")] = "",
+    decode_tuning: DecodeTuningOpt = "",
     store: StoreOpt = DEFAULT_STORE,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /metrics) on a model with an

@@ -146,7 +146,7 @@ def test_settings_round_trip_through_the_override_json():
     assert read_settings(write_settings(lean)) == lean and read_settings(write_settings(pv)).decode_tuning == {}
 
 
-@pytest.mark.parametrize("text, words", [
+BAD_SETTINGS = [
     ('{"oscar": {"artifact": "a", "anchor": 3}}', "unknown key(s) anchor"),
     ('{"oscar": {"anchors": 3}}', "at least"),
     ('{"oscar": {"artifact": "a", "anchors": -1}}', "non-negative"),
@@ -160,10 +160,22 @@ def test_settings_round_trip_through_the_override_json():
     ('{"oscar": {"artifact": "a", "decode_tuning": {"split_tokens": 1.5}}}', "split_tokens must be a positive"),
     ("{oscar", "not valid JSON"),
     ("[1]", "JSON object"),
-])
-def test_bad_settings_are_one_line_errors(text, words):
+]
+BAD_TUNING = [  # --decode-tuning on the command line
+    ("lean=true", "--decode-tuning 'lean=true': expected KEY=VALUE with KEY one of lean_tiles"),
+    ("lean_tiles", "--decode-tuning 'lean_tiles': expected KEY=VALUE"),
+    ("lean_tiles=1", "--decode-tuning lean_tiles=1: lean_tiles takes true or false"),
+    ("split_tokens=0", "split_tokens takes a positive integer"),
+    ("max_registers=1.5", "max_registers takes a positive integer"),
+    ("movmatrix=true,movmatrix=false", "--decode-tuning movmatrix is given twice"),
+]
+
+
+@pytest.mark.parametrize("read, text, words", [(read_settings, t, w) for t, w in BAD_SETTINGS]
+                         + [(parse_decode_tuning, t, w) for t, w in BAD_TUNING])
+def test_bad_settings_are_one_line_errors(read, text, words):
     with pytest.raises(SettingsError) as e:
-        read_settings(text)
+        read(text)
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
@@ -176,19 +188,6 @@ def test_decode_tuning_from_the_command_line():
     assert describe_decode_tuning(t) == "lean_tiles=true,split_tokens=4096,movmatrix=false"
     assert OscarSettings(artifact=Path("/a"), decode_tuning=t).decode_tuning == t
 
-
-@pytest.mark.parametrize("spec, words", [
-    ("lean=true", "'lean=true': expected KEY=VALUE with KEY one of lean_tiles"),
-    ("lean_tiles", "'lean_tiles': expected KEY=VALUE"),
-    ("lean_tiles=1", "lean_tiles takes true or false"),
-    ("split_tokens=0", "split_tokens takes a positive integer"),
-    ("max_registers=1.5", "max_registers takes a positive integer"),
-    ("movmatrix=true,movmatrix=false", "movmatrix is given twice"),
-])
-def test_bad_decode_tuning_is_a_one_line_error(spec, words):
-    with pytest.raises(SettingsError) as e:
-        parse_decode_tuning(spec)
-    assert words in str(e.value) and str(e.value).startswith("--decode-tuning") and "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------------------ refusals
