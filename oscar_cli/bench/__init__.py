@@ -31,7 +31,9 @@ build_launch``, ``--max-running-requests 64``), ``flashinfer`` (BF16, the baseli
 ``lean_tiles`` and ``movmatrix``, and ``fused_update`` with int8 values, through the settings' ``decode_tuning``) and ``triton`` /
 ``triton-fp8``. Baseline servers
 run with ``SGLANG_PLUGINS=none`` (no plugin loaded: unmodified SGLang). Configurations run in that order
-(baselines first), so the BF16 batch is known when oscar runs.
+(baselines first), so the BF16 batch is known when oscar runs. ``--decode-tuning KEY=VALUE,...`` adds decode-kernel
+launch options to every oscar configuration (:func:`~.spec.tuned`); those runs are recorded as
+``CONFIG+KEY=VALUE,...``, apart from the plain configuration's.
 
 **What is measured** (``--measure``; each selectable, each written to ``OUT/results.jsonl`` as soon as it ends):
 
