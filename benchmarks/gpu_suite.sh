@@ -18,7 +18,9 @@
 # model.safetensors `cache` runs on random weights and `ppl` is skipped), ARTIFACT an artifact folder fitted for it,
 # GGUF a .gguf checkpoint converted first (into $OUT/store; needs the gguf package) to become MODEL_DIR,
 # WHEELS a folder of wheels installed first into a private --target (duckdb, gguf, ... for a machine without them),
-# STEP_TIMEOUT seconds per step (default 240), OUT where logs and RESULTS.md go back (default /tmp/oscar-gpu-suite).
+# STEP_TIMEOUT seconds per step (default 240), OUT where logs and RESULTS.md go back (default /tmp/oscar-gpu-suite),
+# COMMIT the commit recorded in RESULTS.md (default: each script asks git; give it where the machine's copy of the
+# git metadata is not the tree's, as with a copied working tree).
 # The checkout's oscar_cli and kernels/ (as oscar_kernels) are put on the path without installing anything.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +44,7 @@ print(resolve(sys.argv[1], Path(sys.argv[2]))[2])' "$GGUF" "$OUT/store") || { ec
   echo "converted $GGUF into $MODEL_DIR"
 fi
 steps=${*:-tests writes decode extend cache calib ppl}
+C=(); [ -n "${COMMIT:-}" ] && C=(--commit "$COMMIT")
 has() { python3 -c "import $1" 2>/dev/null; }
 run() {  # NAME CMD...: one step under its timeout, its log in $OUT, a one-line verdict here
   local name=$1; shift
@@ -57,21 +60,21 @@ for s in $steps; do
   case $s in
     tests) run tests python3 -m pytest -q -p no:cacheprovider -rfE -m "not slow" $(has xdist && echo "-n 8") \
              tests/kernels tests/test_cache_kernels.py ;;
-    writes) run writes python3 benchmarks/bench_quantize_pack.py --decode ;;
-    decode) run decode python3 benchmarks/bench_decode.py ;;
-    variants) run variants python3 benchmarks/bench_decode.py --variants ;;
-    variants:*) run "variants-${s#variants:}" python3 benchmarks/bench_decode.py --variants --set "${s#variants:}" ;;
+    writes) run writes python3 benchmarks/bench_quantize_pack.py --decode "${C[@]}" ;;
+    decode) run decode python3 benchmarks/bench_decode.py "${C[@]}" ;;
+    variants) run variants python3 benchmarks/bench_decode.py --variants "${C[@]}" ;;
+    variants:*) run "variants-${s#variants:}" python3 benchmarks/bench_decode.py --variants --set "${s#variants:}" "${C[@]}" ;;
     lean) run lean-tests python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_decode_int2.py \
             -k "async_tiles or movmatrix"
-          run variants-lean python3 benchmarks/bench_decode.py --variants --set lean ;;
-    extend) run extend python3 benchmarks/bench_extend.py --sweep ;;
+          run variants-lean python3 benchmarks/bench_decode.py --variants --set lean "${C[@]}" ;;
+    extend) run extend python3 benchmarks/bench_extend.py --sweep "${C[@]}" ;;
     cache)
       if [ -z "${MODEL_DIR:-}" ]; then echo "== cache: skipped (no MODEL_DIR)"; continue; fi
       w=""; [ -f "$MODEL_DIR/model.safetensors" ] || w="--random-weights"
-      run cache python3 benchmarks/bench_cache.py $w --model "$MODEL_DIR" ${ARTIFACT:+--artifact "$ARTIFACT"} ;;
+      run cache python3 benchmarks/bench_cache.py $w --model "$MODEL_DIR" ${ARTIFACT:+--artifact "$ARTIFACT"} "${C[@]}" ;;
     calib)
       if ! has duckdb || [ -z "${MODEL_DIR:-}" ]; then echo "== calib: skipped (needs duckdb and MODEL_DIR's tokenizer)"
-      else run calib python3 benchmarks/bench_calibration.py --tokenizer "$MODEL_DIR" --per-head; fi ;;
+      else run calib python3 benchmarks/bench_calibration.py --tokenizer "$MODEL_DIR" --per-head "${C[@]}"; fi ;;
     ppl)
       if ! has duckdb || [ -z "${MODEL_DIR:-}" ] || [ ! -f "$MODEL_DIR/model.safetensors" ] || [ -z "${ARTIFACT:-}" ]; then
         echo "== ppl: skipped (needs duckdb, MODEL_DIR with its weights and ARTIFACT)"
