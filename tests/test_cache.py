@@ -78,8 +78,20 @@ def test_prefill_and_decode_steps_equal_decode_equivalent_attention(name):
         tf = model(seq, use_cache=False).logits
         tf_attn = captured[0]
     hook.remove()
-    torch.testing.assert_close(cached_attn, tf_attn[:, : cached_attn.shape[1]], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(cached, tf[:, : cached.shape[1]], atol=2e-4, rtol=1e-4)
+    ref_attn, ref = tf_attn[:, : cached_attn.shape[1]], tf[:, : cached.shape[1]]
+    if name.endswith("+int8pv"):
+        # int8 value weights are floors of p * 127 / max + dither. A cached step scores one query and the teacher-
+        # forced pass all of them (another summation order: the last bits differ), so a weight close to an integer
+        # can land one int8 step apart on some CPUs: a flip moves that position's outputs by a fraction of 1/127
+        # of the values (and the logits after it). Allow that at two positions at most; a cache that quantizes
+        # or tiles the wrong rows is off at every later step.
+        for got, want, tight in ((cached_attn, ref_attn, 2e-5), (cached, ref, 2e-4)):
+            off = ((got - want).abs() > tight + 1e-4 * want.abs()).any(-1)[0]
+            assert int(off.sum()) <= 2, off.nonzero().flatten().tolist()
+            torch.testing.assert_close(got, want, atol=want.abs().max().item() / 127, rtol=0)
+    else:
+        torch.testing.assert_close(cached_attn, ref_attn, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(cached, ref, atol=2e-4, rtol=1e-4)
     layer = cache.layers[0]
     block = 32 if name == "int2-kivi" else 1
     assert (w.sink, w.recent) == ((0, 128) if name == "int2-kivi" else (3, 6))
