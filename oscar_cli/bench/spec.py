@@ -193,7 +193,7 @@ def tuned(config: ServeConfig, tuning: tuple[tuple[str, bool | int], ...]) -> Se
         return config
     from oscar_cli.serve.sglang.settings import describe_decode_tuning
 
-    label = describe_decode_tuning(tuning)
+    label = describe_decode_tuning(dict(tuning))
     return dataclasses.replace(config, name=f"{config.name}+{label}", kv=f"{config.kv}, {label.replace(',', ', ')}",
                                decode_tuning=tuple({**dict(config.decode_tuning), **dict(tuning)}.items()))
 

@@ -81,7 +81,8 @@ def test_sglang_execs_what_build_launch_returns(monkeypatch, word_model, serve_s
     def build_launch(model_path, artifact, host, port, extra, int8_scores=False, int8_values=False,
                      decode_tuning=None):
         calls["build"] = (model_path, artifact, host, port, extra)
-        calls["int8"] = int8_scores or int8_values or bool(decode_tuning)
+        calls["int8"] = int8_scores or int8_values
+        calls["tuning"] = decode_tuning
         return ["/bin/sglang-server", "--model-path", model_path], {"SGLANG_PLUGINS": "oscar"}
 
     def execvpe(file, argv, env):
@@ -97,7 +98,7 @@ def test_sglang_execs_what_build_launch_returns(monkeypatch, word_model, serve_s
     assert r.exit_code == 0, r.output
     assert calls["build"] == (str(word_model), word_artifact, "0.0.0.0", 8123,
                               ["--tp-size", "2", "--mem-fraction-static", "0.8"])
-    assert calls["int8"] is False
+    assert calls["int8"] is False and calls["tuning"] == {}
     file, argv, env = calls["exec"]
     assert file == "/bin/sglang-server" and argv == ["/bin/sglang-server", "--model-path", str(word_model)]
     assert env["SGLANG_PLUGINS"] == "oscar" and env["PATH"] == os.environ["PATH"]

@@ -78,10 +78,9 @@ def parse_decode_tuning(spec: str) -> dict[str, bool | int]:
     return tuning
 
 
-def describe_decode_tuning(tuning: dict[str, Any] | tuple[tuple[str, Any], ...]) -> str:
+def describe_decode_tuning(tuning: dict[str, Any]) -> str:
     """``lean_tiles=true,split_tokens=4096``: :func:`parse_decode_tuning`'s input form (empty for none)."""
-    items = tuning.items() if isinstance(tuning, dict) else tuning
-    return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items)
+    return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in tuning.items())
 
 
 class SettingsError(OscarError):
