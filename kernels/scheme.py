@@ -123,3 +123,117 @@ class QuantScheme:
         """Short name with the scheme in it, e.g. ``int2.g128.s64.r256``."""
         g = self.group or "row"
         return f"int{self.bits}.g{g}.s{self.sink}.r{self.recent}"
+
+
+class DecodeOptionsError(SchemeError):
+    """A decode option that is unknown or has a value of the wrong kind; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How the decode kernel runs: the one value built at the edge (``oscar serve``/``oscar bench`` flags, the
+    plugin's settings, an ``oscar eval`` method) and passed unchanged down to the kernel launch
+    (``DecodePlan(options=...)`` -> ``decode_int2(options=...)``). Beside :class:`QuantScheme`, which says how rows
+    are stored, this says how they are read.
+
+    Numerics (each defined by ``decode_int2_ref`` and emulated by ``oscar eval``'s methods of the same name):
+
+    * ``int8_scores``: scores over INT2 rows from int8 tensor-core products, each head's rotated query rounded to
+      int8 steps of ``max |q'| / 127``.
+    * ``int8_values``: the INT2 rows' value products from int8 tensor-core products, each tile's probabilities
+      (times value scales) in int8 steps of 1/127 of the tile's largest, rounded after a per-row dither.
+    * ``fused_update``: with ``int8_values``, each accumulator update as two fused multiply-adds (rounds the rescaled
+      sum once more, within the dither's noise).
+
+    Launch tuning (same results):
+
+    * ``lean_tiles``: per-token bookkeeping (scale conversions, the token mask) on the slot vector's side.
+    * ``movmatrix``: probabilities into the value product's operand layout by ``movmatrix`` transposes.
+    * ``num_stages``: shared-memory stages of the split kernel (None: the kernel's default).
+    * ``max_registers``: register cap per thread of the split kernel (None: the launcher's rule; 0: no cap).
+    * ``split_tokens``: INT2 tokens per split before occupancy takes over (None: the split policy's default).
+
+    Pure Python, like the rest of this module. The command-line form is ``KEY=VALUE[,KEY=VALUE...]``
+    (:meth:`parse`, :meth:`describe`); the settings form a JSON object (:meth:`to_dict`, :meth:`from_dict`).
+    """
+
+    int8_scores: bool = False
+    int8_values: bool = False
+    fused_update: bool = False
+    lean_tiles: bool = False
+    movmatrix: bool = False
+    num_stages: int | None = None
+    max_registers: int | None = None
+    split_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "bool":
+                if not isinstance(v, bool):
+                    raise DecodeOptionsError(f"decode option {f.name} must be true or false, got {v!r}")
+            elif v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0
+                                    or (v == 0 and f.name != "max_registers")):
+                least = "a non-negative" if f.name == "max_registers" else "a positive"
+                raise DecodeOptionsError(f"decode option {f.name} must be {least} integer, got {v!r}")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @property
+    def exact(self) -> bool:
+        """True when the options keep the exact path's numerics (only launch tuning is set)."""
+        return not (self.int8_scores or self.int8_values or self.fused_update)
+
+    def changed(self) -> dict[str, Any]:
+        """The options that differ from the defaults, in field order."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Only the options that differ from the defaults (an empty dict is the default)."""
+        return self.changed()
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "decode options") -> DecodeOptions:
+        """Strict parse of :meth:`to_dict`'s form: unknown keys are errors, missing keys take the defaults."""
+        if not isinstance(d, dict):
+            raise DecodeOptionsError(f"{where} must be an object with keys among {', '.join(cls.names())}")
+        unknown = sorted(set(d) - set(cls.names()))
+        if unknown:
+            raise DecodeOptionsError(f"unknown key(s) {', '.join(unknown)} in {where}; allowed: {', '.join(cls.names())}")
+        return cls(**d)
+
+    @classmethod
+    def parse(cls, spec: str, base: DecodeOptions | None = None, flag: str = "--decode-tuning") -> DecodeOptions:
+        """``KEY=VALUE[,KEY=VALUE...]`` on top of ``base`` (default: the defaults): ``true``/``false`` for switches,
+        integers for counts. An empty string is ``base``. One-line :class:`DecodeOptionsError` naming the bad item."""
+        base = base or cls()
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        given: dict[str, Any] = {}
+        for item in (t.strip() for t in spec.split(",")):
+            if not item:
+                continue
+            key, eq, value = (x.strip() for x in item.partition("="))
+            if key not in kinds or not eq:
+                raise DecodeOptionsError(f"{flag} {item!r}: expected KEY=VALUE with KEY one of {', '.join(kinds)} "
+                                         "(e.g. lean_tiles=true,split_tokens=4096)")
+            if key in given:
+                raise DecodeOptionsError(f"{flag} {key} is given twice; give each key once")
+            if kinds[key] == "bool":
+                if value.lower() not in ("true", "false"):
+                    raise DecodeOptionsError(f"{flag} {key}={value}: {key} takes true or false")
+                given[key] = value.lower() == "true"
+            else:
+                if not value.isdigit():
+                    raise DecodeOptionsError(f"{flag} {key}={value}: {key} takes a non-negative integer")
+                given[key] = int(value)
+        try:
+            return dataclasses.replace(base, **given)
+        except DecodeOptionsError as e:
+            raise DecodeOptionsError(f"{flag}: {e}") from None
+
+    def describe(self) -> str:
+        """:meth:`parse`'s form of the options that differ from the defaults (``""`` for the defaults), e.g.
+        ``int8_scores=true,split_tokens=4096``."""
+        return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.changed().items())
