@@ -2,7 +2,7 @@
 
 A command parses, builds a config, calls the library and renders; heavy imports happen inside commands.
 Errors the user can fix (:class:`oscar_cli.errors.OscarError`) print one line and exit 1; ``OSCAR_DEBUG=1`` shows
-the traceback. Usage errors exit 2 (Typer's default).
+the traceback. Usage errors exit 2 (Typer's default; :func:`fail` with ``code=2`` for those found after parsing).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from oscar_kernels.scheme import DecodeOptions, DecodeOptionsError
 from rich.console import Console
 
 from ..config import DEFAULT_ARTIFACTS, DEFAULT_MODEL, DEFAULT_STORE, SchemeError
@@ -40,10 +41,11 @@ ModelOpt = Annotated[
 StoreOpt = Annotated[Path, typer.Option("--store", help="Store folder (DuckDB database and converted models).")]
 ArtifactsOpt = Annotated[Path, typer.Option("--artifacts", help="Folder that holds artifacts/<model>/v<N>/.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
-DecodeTuningOpt = Annotated[str, typer.Option("--decode-tuning", help="Decode-kernel launch options of the SGLang "
-                                              "engine, KEY=VALUE[,KEY=VALUE...] with KEY among lean_tiles, "
-                                              "fused_update, movmatrix (true/false), num_stages, max_registers, "
-                                              "split_tokens (integers); default: the kernel's measured defaults.")]
+DecodeTuningOpt = Annotated[str, typer.Option("--decode-tuning", help="Decode-kernel options of the SGLang engine, "
+                                              "KEY=VALUE[,KEY=VALUE...] with KEY among int8_scores, int8_values, "
+                                              "fused_update, lean_tiles, movmatrix (true/false), num_stages, "
+                                              "max_registers, split_tokens (integers); default: the exact path at "
+                                              "the kernel's measured launch settings.")]
 RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="Recipe YAML (recipes/<model>.yaml); flags override it.")]
 
 DEFAULTS = {"model": DEFAULT_MODEL, "store": DEFAULT_STORE, "artifacts": DEFAULT_ARTIFACTS}
@@ -52,6 +54,15 @@ DEFAULTS = {"model": DEFAULT_MODEL, "store": DEFAULT_STORE, "artifacts": DEFAULT
 def fail(message: str, code: int = 1) -> typer.Exit:
     console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def decode_options(tuning: str, int8_scores: bool = False, int8_values: bool = False) -> DecodeOptions:
+    """The decode kernel's options, built once from the command line: ``--decode-tuning``'s items over the int8
+    switches. A bad item is a usage error: one line, exit 2."""
+    try:
+        return DecodeOptions.parse(tuning, base=DecodeOptions(int8_scores=int8_scores, int8_values=int8_values))
+    except DecodeOptionsError as e:
+        raise fail(str(e), code=2) from None
 
 
 def guarded(fn=None, *, interrupted: str = "interrupted; nothing was written"):

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from oscar_kernels.scheme import DecodeOptions
 
 from ..config import DEFAULT_MODEL, DEFAULT_STORE
 from ..errors import OscarError
 from ..serve.config import ServeConfig
-from ._app import DecodeTuningOpt, StoreOpt, app, console, guarded
+from ._app import DecodeTuningOpt, StoreOpt, app, console, decode_options, guarded
 
 ENGINES = ("auto", "sglang", "transformers")
 BACKLOG = 2048
@@ -59,13 +60,11 @@ def serve_cmd(
     extra = list(ctx.args)
     if engine not in ENGINES:
         raise OscarError(f"--engine {engine!r}: choose auto, sglang or transformers")
+    decode = decode_options(decode_tuning, int8_scores=int8_scores, int8_values=int8_values)
     cfg = ServeConfig(host=host, port=port, model_id=served_name, max_queue=max_queue, max_context=max_context)
     chosen = pick_engine(engine)
-    from ..serve.sglang.settings import parse_decode_tuning
-
-    tuning = parse_decode_tuning(decode_tuning)
     for flag, on in (("--int8-scores", int8_scores), ("--int8-values", int8_values),
-                     ("--decode-tuning", bool(tuning))):
+                     ("--decode-tuning", bool(decode_tuning.strip(" ,")))):
         if chosen == "transformers" and on:
             raise OscarError(f"{flag} is an SGLang engine option (its CUDA decode kernel); drop it or pass "
                              "--engine sglang")
@@ -73,7 +72,7 @@ def serve_cmd(
         raise OscarError(f"extra engine arguments ({' '.join(extra)}) are for --engine sglang; the transformers "
                          "engine takes none (drop the part after --)")
     if chosen == "sglang":
-        _run_sglang(model, artifact, store, cfg, extra, int8_scores, int8_values, tuning)
+        _run_sglang(model, artifact, store, cfg, extra, decode)
     else:
         _run_transformers(model, artifact, store, cfg)
 
@@ -166,8 +165,7 @@ def _signals_noted(seen: list[int]):
             signal.signal(s, h)
 
 
-def _run_sglang(model: str, artifact: str | None, store: Path, cfg, extra: list[str], int8_scores: bool = False,
-                int8_values: bool = False, decode_tuning: dict | None = None) -> None:
+def _run_sglang(model: str, artifact: str | None, store: Path, cfg, extra: list[str], decode: DecodeOptions) -> None:
     try:
         from ..serve.sglang.launch import build_launch
     except ImportError as e:
@@ -185,7 +183,7 @@ def _run_sglang(model: str, artifact: str | None, store: Path, cfg, extra: list[
         raise OscarError("--engine sglang serves an artifact's INT2 cache: pass --artifact latest|vN|PATH")
     art = load_artifact(path, _fingerprint(model, store, folder))
     argv, env = build_launch(str(folder) if folder is not None else model, path, cfg.host, cfg.port, extra,
-                             int8_scores=int8_scores, int8_values=int8_values, decode_tuning=decode_tuning)
+                             decode=decode)
     s = art.scheme
     console.print(f"serving {slug} (oscar, artifact {art.name}, INT{s.bits} group {s.group or 'head dim'}, sink "
                   f"{s.sink}, recent {s.recent}) at {cfg.url} (engine sglang)", highlight=False, soft_wrap=True)

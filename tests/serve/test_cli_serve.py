@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import os
 import queue
 import re
@@ -17,11 +18,13 @@ import types
 import pytest
 import requests
 import torch
+from oscar_kernels.scheme import DecodeOptions
 from serve_kit import save_wordkit, wait_until
 from typer.testing import CliRunner
 
 from oscar_cli.cli import app
 from oscar_cli.cli import serve as serve_cli
+from oscar_cli.serve.sglang.settings import read_settings
 
 LAUNCH = "oscar_cli.serve.sglang.launch"
 
@@ -30,9 +33,9 @@ def invoke(*args: str):
     return CliRunner().invoke(app, ["serve", *args])
 
 
-def one_line_error(result) -> str:
+def one_line_error(result, code: int = 1) -> str:
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
-    assert result.exit_code == 1 and len(lines) == 1, result.output
+    assert result.exit_code == code and len(lines) == 1, result.output
     assert lines[0].startswith("error: ")
     return lines[0]
 
@@ -78,11 +81,9 @@ def test_sglang_without_its_launch_module_says_so(monkeypatch):
 def test_sglang_execs_what_build_launch_returns(monkeypatch, word_model, serve_store, word_artifact):
     calls: dict = {}
 
-    def build_launch(model_path, artifact, host, port, extra, int8_scores=False, int8_values=False,
-                     decode_tuning=None):
+    def build_launch(model_path, artifact, host, port, extra, decode=None):
         calls["build"] = (model_path, artifact, host, port, extra)
-        calls["int8"] = int8_scores or int8_values
-        calls["tuning"] = decode_tuning
+        calls["decode"] = decode
         return ["/bin/sglang-server", "--model-path", model_path], {"SGLANG_PLUGINS": "oscar"}
 
     def execvpe(file, argv, env):
@@ -98,7 +99,7 @@ def test_sglang_execs_what_build_launch_returns(monkeypatch, word_model, serve_s
     assert r.exit_code == 0, r.output
     assert calls["build"] == (str(word_model), word_artifact, "0.0.0.0", 8123,
                               ["--tp-size", "2", "--mem-fraction-static", "0.8"])
-    assert calls["int8"] is False and calls["tuning"] == {}
+    assert calls["decode"] == DecodeOptions()
     file, argv, env = calls["exec"]
     assert file == "/bin/sglang-server" and argv == ["/bin/sglang-server", "--model-path", str(word_model)]
     assert env["SGLANG_PLUGINS"] == "oscar" and env["PATH"] == os.environ["PATH"]
@@ -106,31 +107,60 @@ def test_sglang_execs_what_build_launch_returns(monkeypatch, word_model, serve_s
                      r"\(engine sglang\)", r.output), r.output
 
 
-@pytest.mark.parametrize("flag", ["--int8-scores", "--int8-values", "--decode-tuning=lean_tiles=true,split_tokens=4096"])
-def test_kernel_options_reach_build_launch_and_are_sglang_only(monkeypatch, word_model, serve_store, flag):
+DECODE_FLAGS = [
+    (["--int8-scores"], DecodeOptions(int8_scores=True)),
+    (["--int8-values"], DecodeOptions(int8_values=True)),
+    (["--decode-tuning=lean_tiles=true,split_tokens=4096"], DecodeOptions(lean_tiles=True, split_tokens=4096)),
+    (["--int8-scores", "--int8-values", "--decode-tuning", " fused_update=True, max_registers=0 ,"],
+     DecodeOptions(int8_scores=True, int8_values=True, fused_update=True, max_registers=0)),
+]
+
+
+@pytest.mark.parametrize("flags, options", DECODE_FLAGS)
+def test_decode_flags_become_one_options_value_in_the_settings(monkeypatch, word_model, serve_store, word_artifact,
+                                                               flags, options):
+    """The int8 switches and --decode-tuning's items become one DecodeOptions, written by the real build_launch
+    into the server's settings (the plugin reads them back there and hands them to its decode plan)."""
     calls: dict = {}
 
-    def build_launch(model_path, artifact, host, port, extra, int8_scores=False, int8_values=False,
-                     decode_tuning=None):
-        calls["int8"] = (int8_scores, int8_values)
-        calls["tuning"] = decode_tuning
-        return ["/bin/sglang-server"], {}
+    def execvpe(file, argv, env):
+        calls["argv"] = argv
+        raise SystemExit(0)
 
-    launch = types.ModuleType(LAUNCH)
-    launch.build_launch = build_launch
-    monkeypatch.setitem(sys.modules, LAUNCH, launch)
-    monkeypatch.setattr(os, "execvpe", lambda *a: (_ for _ in ()).throw(SystemExit(0)))
+    monkeypatch.setattr(os, "execvpe", execvpe)
     r = invoke("--engine", "sglang", "--model", str(word_model), "--artifact", "latest", "--store", str(serve_store),
-               flag)
+               *flags)
     assert r.exit_code == 0, r.output
-    assert calls["int8"] == (flag == "--int8-scores", flag == "--int8-values")
-    assert calls["tuning"] == ({"lean_tiles": True, "split_tokens": 4096} if flag.startswith("--decode") else {})
+    argv = calls["argv"]
+    text = argv[argv.index("--json-model-override-args") + 1]
+    assert json.loads(text)["oscar"]["decode"] == options.to_dict()
+    settings = read_settings(text)
+    assert settings.decode == options and settings.artifact == word_artifact.resolve()
+
+
+@pytest.mark.parametrize("flag", ["--int8-scores", "--int8-values", "--decode-tuning=lean_tiles=false"])
+def test_decode_flags_are_sglang_only(word_model, serve_store, flag):
     msg = one_line_error(invoke("--engine", "transformers", "--model", str(word_model), "--artifact", "latest",
                                 "--store", str(serve_store), flag))
     assert f"{flag.partition('=')[0]} is an SGLang engine option" in msg and "--engine sglang" in msg
-    bad = one_line_error(invoke("--engine", "sglang", "--model", str(word_model), "--artifact", "latest",
-                                "--store", str(serve_store), "--decode-tuning", "split_tokens=many"))
-    assert "--decode-tuning split_tokens=many: split_tokens takes a positive integer" in bad
+
+
+BAD_TUNING = [
+    ("lean=true", "--decode-tuning 'lean=true': expected KEY=VALUE with KEY one of int8_scores"),
+    ("lean_tiles", "--decode-tuning 'lean_tiles': expected KEY=VALUE"),
+    ("lean_tiles=1", "--decode-tuning lean_tiles=1: lean_tiles takes true or false"),
+    ("split_tokens=many", "--decode-tuning split_tokens=many: split_tokens takes a non-negative integer"),
+    ("split_tokens=0", "split_tokens must be a positive integer"),
+    ("max_registers=1.5", "max_registers takes a non-negative integer"),
+    ("movmatrix=true,movmatrix=false", "--decode-tuning movmatrix is given twice"),
+]
+
+
+@pytest.mark.parametrize("tuning, words", BAD_TUNING)
+def test_bad_decode_tuning_is_a_one_line_usage_error(monkeypatch, tuning, words):
+    monkeypatch.setattr(serve_cli, "pick_engine", lambda e: pytest.fail("must fail before choosing the engine"))
+    msg = one_line_error(invoke("--engine", "sglang", "--decode-tuning", tuning), code=2)
+    assert words in msg
 
 
 def test_sglang_needs_an_artifact(monkeypatch, word_model, serve_store):

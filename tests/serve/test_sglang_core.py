@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from oscar_kernels import dequantize_ref, quantize_pack_ref
-from oscar_kernels.scheme import QuantScheme
+from oscar_kernels.scheme import DecodeOptions, QuantScheme
 
 from oscar_cli.serve.sglang.anchors import PIN_STEPS, AnchorTable, anchor_positions, anchored_positions
 from oscar_cli.serve.sglang.core import OscarAttention, OscarKV
@@ -190,21 +190,17 @@ def test_extend_and_padded_decode_match_reference_over_shared_prefix_slots():
     assert len(ptrs) == 1
 
 
-def test_int8_settings_reach_the_decode_plan():
-    """``OscarSettings.int8_scores`` / ``int8_values`` / ``decode_tuning`` (through the plugin's ``OscarAttention``)
-    become the decode plan's kernel options; off by default."""
+def test_decode_options_reach_the_decode_plan():
+    """``OscarSettings.decode`` (through the plugin's ``OscarAttention``) is the decode plan's ``options``, unchanged;
+    the defaults when none are given."""
     model = Model(seed=1, layers=1)
     kv = model.kv(anchors=8, interval=0)
     req_to_token = torch.zeros(REQS, MAX_POS, dtype=torch.int32)
     plain = OscarAttention(kv, req_to_token, max_batch=REQS, max_tokens=64, q_heads=HQ)
-    assert not plain.decode.tuning["int8_scores"] and not plain.decode.tuning["int8_values"]
-    both = OscarAttention(kv, req_to_token, max_batch=REQS, max_tokens=64, q_heads=HQ, int8_scores=True,
-                          int8_values=True)
-    assert both.decode.tuning["int8_scores"] is True and both.decode.tuning["int8_values"] is True
-    tuned = OscarAttention(kv, req_to_token, max_batch=REQS, max_tokens=64, q_heads=HQ,
-                           decode_tuning={"lean_tiles": True, "fused_update": True})
-    assert tuned.decode.tuning["lean_tiles"] is True and tuned.decode.tuning["fused_update"] is True
-    assert "lean_tiles" not in plain.decode.tuning
+    assert plain.decode.options == DecodeOptions()
+    options = DecodeOptions(int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True, split_tokens=64)
+    tuned = OscarAttention(kv, req_to_token, max_batch=REQS, max_tokens=64, q_heads=HQ, options=options)
+    assert tuned.decode.options == options
 
 
 def test_chunked_extend_equals_one_extend_without_anchors():

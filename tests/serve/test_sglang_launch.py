@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from oscar_kernels.scheme import DecodeOptions
 
 from oscar_cli.errors import OscarError
 from oscar_cli.serve.sglang.launch import DEFAULT_MAX_RUNNING_REQUESTS, build_launch
@@ -32,6 +33,14 @@ def test_argv_and_environment(tmp_path):
     assert read_settings(value(argv, "--json-model-override-args")) == OscarSettings(artifact=art.resolve())
     assert argv[-4:] == ["--cuda-graph-max-bs-decode", "16", "--sampling-backend", "pytorch"]
     assert env == {"SGLANG_PLUGINS": "oscar"}
+
+
+def test_decode_options_go_into_the_settings(tmp_path):
+    options = DecodeOptions(int8_scores=True, movmatrix=True, split_tokens=4096)
+    argv, _ = build_launch("m", tmp_path, "h", 1, [], decode=options)
+    text = value(argv, "--json-model-override-args")
+    assert json.loads(text)["oscar"]["decode"] == {"int8_scores": True, "movmatrix": True, "split_tokens": 4096}
+    assert read_settings(text) == OscarSettings(artifact=tmp_path.resolve(), decode=options)
 
 
 def test_user_overrides_are_merged_and_user_limits_kept(tmp_path):

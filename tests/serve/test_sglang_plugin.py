@@ -14,7 +14,7 @@ from oscar_cli.errors import OscarError
 from oscar_cli.serve.sglang import plugin
 from oscar_cli.serve.sglang import targets as T
 from oscar_cli.serve.sglang.refusals import ServeRefusal
-from oscar_cli.serve.sglang.settings import OscarSettings, write_settings
+from oscar_cli.serve.sglang.settings import OscarSettings, read_settings, write_settings
 
 
 @pytest.fixture
@@ -157,8 +157,9 @@ def test_layer_facts_finds_attention_modules():
     assert [m.layer_id for m in plugin.layer_facts(model)] == [0, 1]
 
 
-def test_backend_refuses_without_its_pool(monkeypatch):
-    """If SGLang's hook registry failed to apply the pool hook, the backend says so instead of running on BF16."""
+@pytest.fixture
+def fake_base_backend(monkeypatch):
+    """SGLang's ``AttentionBackend`` base class, empty, so that ``backend_class()`` builds without SGLang."""
     base = types.ModuleType("sglang.srt.layers.attention.base_attn_backend")
 
     class AttentionBackend:
@@ -168,9 +169,38 @@ def test_backend_refuses_without_its_pool(monkeypatch):
     base.AttentionBackend = AttentionBackend
     monkeypatch.setitem(sys.modules, "sglang.srt.layers.attention.base_attn_backend", base)
     plugin.backend_class.cache_clear()
-    try:
-        with pytest.raises(ServeRefusal) as e:
-            plugin.create_backend(SimpleNamespace(token_to_kv_pool=object()))
-        assert "Failed to apply hooks" in str(e.value)
-    finally:
-        plugin.backend_class.cache_clear()
+    yield
+    plugin.backend_class.cache_clear()
+
+
+def test_backend_refuses_without_its_pool(fake_base_backend):
+    """If SGLang's hook registry failed to apply the pool hook, the backend says so instead of running on BF16."""
+    with pytest.raises(ServeRefusal) as e:
+        plugin.create_backend(SimpleNamespace(token_to_kv_pool=object()))
+    assert "Failed to apply hooks" in str(e.value)
+
+
+def test_backend_runs_its_decode_plan_with_the_settings_decode_options(fake_base_backend, tmp_path):
+    """The decode options the launcher wrote into ``--json-model-override-args`` are, read back by the rank's setup,
+    the backend's decode plan ``options``, unchanged."""
+    import torch
+    from oscar_kernels.scheme import DecodeOptions, QuantScheme
+
+    from oscar_cli.serve.sglang.core import OscarKV
+
+    options = DecodeOptions(int8_scores=True, int8_values=True, lean_tiles=True, split_tokens=64)
+    settings = read_settings(write_settings(OscarSettings(artifact=tmp_path / "art", decode=options)))
+    n, h, d = 2, SETUP.kv_heads, SETUP.head_dim
+    rot = torch.eye(d).expand(n, h, d, d).contiguous()
+    kv = OscarKV(QuantScheme(sink=4, recent=8), n, h, d, 64, 4, rot, rot, torch.ones(n, h), torch.ones(n, h),
+                 anchors=2, anchor_interval=0, device="cpu")
+    setup = SimpleNamespace(settings=settings, q_heads=SETUP.q_heads, kv_heads=h, head_dim=d, start_layer=0)
+    attn = [torch.nn.Module() for _ in range(n)]
+    for i, m in enumerate(attn):
+        vars(m).update(vars(layer(i)))
+    runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(oscar=kv, setup=setup),
+                             req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, 32, dtype=torch.int32)),
+                             model=torch.nn.Sequential(*attn), model_config=SimpleNamespace(context_len=32),
+                             server_args=SimpleNamespace(chunked_prefill_size=16, max_prefill_tokens=16))
+    backend = plugin.create_backend(runner)
+    assert backend.core.decode.options == options and backend.core.decode.options != DecodeOptions()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from oscar_kernels.scheme import QuantScheme
+from oscar_kernels.scheme import DecodeOptions, QuantScheme
 
 from oscar_cli.config import AttentionShape
 from oscar_cli.serve.sglang.core import OscarAttention, OscarKV
@@ -23,8 +23,6 @@ from oscar_cli.serve.sglang.refusals import (
 from oscar_cli.serve.sglang.settings import (
     OscarSettings,
     SettingsError,
-    describe_decode_tuning,
-    parse_decode_tuning,
     read_settings,
     write_settings,
 )
@@ -137,57 +135,46 @@ def test_settings_round_trip_through_the_override_json():
     assert json.loads(text)["rope_theta"] == 1e6
     assert read_settings(text) == s
     assert read_settings('{"rope_theta": 1}') is None and read_settings(None) is None
-    q8 = OscarSettings(artifact=Path("/a/v1"), int8_scores=True)
-    assert read_settings(write_settings(q8)) == q8 and read_settings(write_settings(s)).int8_scores is False
-    pv = OscarSettings(artifact=Path("/a/v1"), int8_scores=True, int8_values=True)
-    assert read_settings(write_settings(pv)) == pv and read_settings(write_settings(q8)).int8_values is False
-    lean = OscarSettings(artifact=Path("/a/v1"), decode_tuning={"lean_tiles": True, "fused_update": True,
-                                                                 "num_stages": 3})
-    assert read_settings(write_settings(lean)) == lean and read_settings(write_settings(pv)).decode_tuning == {}
+    assert json.loads(text)["oscar"]["decode"] == {} and read_settings(text).decode == DecodeOptions()
+
+
+def test_decode_options_travel_as_one_json_object():
+    """``OscarSettings.decode`` is written as the options that differ from the defaults and read back equal; the
+    defaults when the key is absent (settings written before it existed)."""
+    options = DecodeOptions(int8_scores=True, int8_values=True, lean_tiles=True, num_stages=3, max_registers=0)
+    s = OscarSettings(artifact=Path("/a/v1"), decode=options)
+    text = write_settings(s)
+    assert json.loads(text)["oscar"]["decode"] == {"int8_scores": True, "int8_values": True, "lean_tiles": True,
+                                                   "num_stages": 3, "max_registers": 0}
+    assert read_settings(text) == s and read_settings(text).decode == options
+    assert read_settings('{"oscar": {"artifact": "/a/v1"}}').decode == DecodeOptions()
+    with pytest.raises(SettingsError, match="decode must be DecodeOptions"):  # built at the edge, not a dict
+        OscarSettings(artifact=Path("/a/v1"), decode={"int8_scores": True})
 
 
 BAD_SETTINGS = [
     ('{"oscar": {"artifact": "a", "anchor": 3}}', "unknown key(s) anchor"),
     ('{"oscar": {"anchors": 3}}', "at least"),
     ('{"oscar": {"artifact": "a", "anchors": -1}}', "non-negative"),
-    ('{"oscar": {"artifact": "a", "int8_scores": 1}}', "int8_scores must be true or false"),
-    ('{"oscar": {"artifact": "a", "int8_values": "yes"}}', "int8_values must be true or false"),
-    ('{"oscar": {"artifact": "a", "decode_tuning": [1]}}', "decode_tuning must be an object"),
-    ('{"oscar": {"artifact": "a", "decode_tuning": {"lean": true}}}', "unknown decode_tuning key 'lean'; allowed"),
-    ('{"oscar": {"artifact": "a", "decode_tuning": {"lean_tiles": 1}}}', "lean_tiles must be true or false"),
-    ('{"oscar": {"artifact": "a", "decode_tuning": {"num_stages": true}}}', "num_stages must be a positive integer"),
-    ('{"oscar": {"artifact": "a", "decode_tuning": {"max_registers": 0}}}', "max_registers must be a positive"),
-    ('{"oscar": {"artifact": "a", "decode_tuning": {"split_tokens": 1.5}}}', "split_tokens must be a positive"),
+    ('{"oscar": {"artifact": "a", "int8_scores": true}}', "unknown key(s) int8_scores"),  # the options' old keys
+    ('{"oscar": {"artifact": "a", "decode_tuning": {}}}', "unknown key(s) decode_tuning"),
+    ('{"oscar": {"artifact": "a", "decode": [1]}}', '"decode" of the "oscar" entry must be an object'),
+    ('{"oscar": {"artifact": "a", "decode": {"lean": true}}}', 'unknown key(s) lean in "decode" of the "oscar" entry'),
+    ('{"oscar": {"artifact": "a", "decode": {"int8_scores": 1}}}', "int8_scores must be true or false"),
+    ('{"oscar": {"artifact": "a", "decode": {"lean_tiles": "yes"}}}', "lean_tiles must be true or false"),
+    ('{"oscar": {"artifact": "a", "decode": {"num_stages": true}}}', "num_stages must be a positive integer"),
+    ('{"oscar": {"artifact": "a", "decode": {"max_registers": -1}}}', "max_registers must be a non-negative"),
+    ('{"oscar": {"artifact": "a", "decode": {"split_tokens": 1.5}}}', "split_tokens must be a positive"),
     ("{oscar", "not valid JSON"),
     ("[1]", "JSON object"),
 ]
-BAD_TUNING = [  # --decode-tuning on the command line
-    ("lean=true", "--decode-tuning 'lean=true': expected KEY=VALUE with KEY one of lean_tiles"),
-    ("lean_tiles", "--decode-tuning 'lean_tiles': expected KEY=VALUE"),
-    ("lean_tiles=1", "--decode-tuning lean_tiles=1: lean_tiles takes true or false"),
-    ("split_tokens=0", "split_tokens takes a positive integer"),
-    ("max_registers=1.5", "max_registers takes a positive integer"),
-    ("movmatrix=true,movmatrix=false", "--decode-tuning movmatrix is given twice"),
-]
 
 
-@pytest.mark.parametrize("read, text, words", [(read_settings, t, w) for t, w in BAD_SETTINGS]
-                         + [(parse_decode_tuning, t, w) for t, w in BAD_TUNING])
-def test_bad_settings_are_one_line_errors(read, text, words):
+@pytest.mark.parametrize("text, words", BAD_SETTINGS)
+def test_bad_settings_are_one_line_errors(text, words):
     with pytest.raises(SettingsError) as e:
-        read(text)
+        read_settings(text)
     assert words in str(e.value) and "\n" not in str(e.value)
-
-
-def test_decode_tuning_from_the_command_line():
-    """``--decode-tuning`` (oscar serve / oscar bench): KEY=VALUE items typed by DECODE_TUNING, round-tripped by
-    ``describe_decode_tuning``; what OscarSettings accepts."""
-    t = parse_decode_tuning(" lean_tiles=true, split_tokens=4096,movmatrix=False ,")
-    assert t == {"lean_tiles": True, "split_tokens": 4096, "movmatrix": False}
-    assert parse_decode_tuning("") == {} and parse_decode_tuning(describe_decode_tuning(t)) == t
-    assert describe_decode_tuning(t) == "lean_tiles=true,split_tokens=4096,movmatrix=false"
-    assert OscarSettings(artifact=Path("/a"), decode_tuning=t).decode_tuning == t
-
 
 
 # ------------------------------------------------------------------------------------------------------ refusals

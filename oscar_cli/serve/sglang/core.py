@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 from oscar_kernels import DecodePlan, ExtendPlan, Int2KVPool
-from oscar_kernels.scheme import QuantScheme
+from oscar_kernels.scheme import DecodeOptions, QuantScheme
 
 from .anchors import AnchorTable, anchor_positions, anchored_positions
 
@@ -119,21 +119,18 @@ class OscarAttention:
         max_tokens: new tokens per extend batch.
         q_heads: this rank's query heads.
         sm_scale: softmax scale of every layer (SGLang's ``RadixAttention.scaling``).
-        int8_scores: decode scores over INT2 rows from int8 MMAs (``OscarSettings.int8_scores``).
-        int8_values: decode value products over INT2 rows from int8 MMAs (``OscarSettings.int8_values``).
-        decode_tuning: more decode-kernel launch options for ``DecodePlan`` (``OscarSettings.decode_tuning``).
+        options: how the decode kernel runs (``OscarSettings.decode``), passed to ``DecodePlan`` as is.
     """
 
     def __init__(self, kv: OscarKV, req_to_token: torch.Tensor, max_batch: int, max_tokens: int, q_heads: int,
-                 sm_scale: float | None = None, int8_scores: bool = False, int8_values: bool = False,
-                 decode_tuning: dict | None = None):
+                 sm_scale: float | None = None, options: DecodeOptions = DecodeOptions()):
         if req_to_token.shape[0] > kv.request_slots:
             raise ValueError(f"req_to_token has {req_to_token.shape[0]} rows, the pool {kv.request_slots} regions")
         self.kv = kv
         self.req_to_token = req_to_token
         self.max_seq_len = req_to_token.shape[1]
         self.decode = DecodePlan(kv.pool, max_batch, self.max_seq_len, q_heads=q_heads, sm_scale=sm_scale,
-                                 int8_scores=int8_scores, int8_values=int8_values, **(decode_tuning or {}))
+                                 options=options)
         self.extend = ExtendPlan(kv.pool, max_batch, max_tokens, self.max_seq_len, sm_scale=sm_scale)
         self._restore: tuple[torch.Tensor, torch.Tensor] | None = None
         self._capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from oscar_kernels.scheme import DecodeOptions
+
 from .refusals import BACKEND, ServeRefusal, server_args_refusals
 from .settings import OscarSettings, write_settings
 
@@ -65,14 +67,13 @@ def _without(extra: list[str], flag: str) -> list[str]:
 
 
 def build_launch(model_path: str, artifact: Path, host: str, port: int, extra: list[str],
-                 int8_scores: bool = False, int8_values: bool = False,
-                 decode_tuning: dict | None = None) -> tuple[list[str], dict[str, str]]:
+                 decode: DecodeOptions = DecodeOptions()) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` starting SGLang's HTTP server on ``model_path`` with the OSCAR backend and ``artifact``.
 
     ``argv`` is ``python -m sglang.launch_server --model-path ... --attention-backend oscar --radix-cache-backend
     oscar --json-model-override-args '{"oscar": {...}}' ...`` followed by ``extra`` (user flags, passed through);
-    ``env`` holds what to add to the environment (``SGLANG_PLUGINS=oscar``). ``int8_scores``, ``int8_values`` and
-    ``decode_tuning`` go into the settings (:class:`~.settings.OscarSettings`' fields of those names). Raises
+    ``env`` holds what to add to the environment (``SGLANG_PLUGINS=oscar``). ``decode`` (the decode kernel's options)
+    goes into the settings as :attr:`~.settings.OscarSettings.decode`. Raises
     :class:`~.refusals.ServeRefusal` (one line) for extra flags that conflict with the plugin."""
     flags = _flags(extra)
     problems = []
@@ -89,8 +90,7 @@ def build_launch(model_path: str, artifact: Path, host: str, port: int, extra: l
     problems += server_args_refusals(fields, environ={})
     if problems:
         raise ServeRefusal(f"oscar: {problems[0]}")
-    settings = OscarSettings(artifact=Path(artifact).resolve(), int8_scores=int8_scores, int8_values=int8_values,
-                             decode_tuning=decode_tuning or {})
+    settings = OscarSettings(artifact=Path(artifact).resolve(), decode=decode)
     user_overrides = flags.get("--json-model-override-args")
     overrides = write_settings(settings, user_overrides if isinstance(user_overrides, str) else None)
     rest = _without(extra, "--json-model-override-args")

@@ -248,10 +248,7 @@ def backend_class():
             self.setup = setup
             self.core = OscarAttention(pool.oscar, rtp.req_to_token, max_batch=rtp.req_to_token.shape[0],
                                        max_tokens=max_extend_tokens(sa, model_runner.model_config.context_len),
-                                       q_heads=setup.q_heads, sm_scale=sm_scale,
-                                       int8_scores=setup.settings.int8_scores,
-                                       int8_values=setup.settings.int8_values,
-                                       decode_tuning=setup.settings.decode_tuning)
+                                       q_heads=setup.q_heads, sm_scale=sm_scale, options=setup.settings.decode)
 
         # metadata ---------------------------------------------------------------------------------------------
         def init_forward_metadata(self, forward_batch):

@@ -18,11 +18,9 @@ Settings (the quant scheme itself is the artifact's):
   counted in SGLang's budget);
 * ``anchor_interval``: positions between anchors taken inside one extend (0: only at chunk ends and finished
   requests);
-* ``int8_scores``, ``int8_values``: the decode kernel's int8 variants (these do change the numerics, within their
-  definitions);
-* ``decode_tuning``: launch options of the decode kernel that keep its numerics (``lean_tiles``, ``movmatrix``,
-  ``num_stages``, ``max_registers``, ``split_tokens``) or change only its rounding (``fused_update``), for
-  benchmarking them in the engine.
+* ``decode``: the decode kernel's options (:class:`oscar_kernels.scheme.DecodeOptions` in its JSON form: only the
+  keys that differ from the defaults, e.g. ``{"int8_scores": true, "split_tokens": 4096}``), passed unchanged to
+  ``DecodePlan(options=...)``.
 
 Pure Python: no torch, no SGLang.
 """
@@ -31,9 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from oscar_kernels.scheme import DecodeOptions, DecodeOptionsError
 
 from ...errors import OscarError
 
@@ -47,42 +47,6 @@ DEFAULT_ANCHOR_INTERVAL = 1024
 when the cached prompt went on (a shared 2k-token system prompt followed by different questions)."""
 
 
-DECODE_TUNING: dict[str, type] = {"lean_tiles": bool, "fused_update": bool, "movmatrix": bool, "num_stages": int,
-                                  "max_registers": int, "split_tokens": int}
-"""``decode_tuning`` keys (``oscar_kernels.DecodePlan`` / ``decode_int2`` keywords) and their types."""
-
-
-def parse_decode_tuning(spec: str) -> dict[str, bool | int]:
-    """``KEY=VALUE[,KEY=VALUE...]`` (the command-line form of ``decode_tuning``: keys of :data:`DECODE_TUNING`,
-    ``true``/``false`` for switches, positive integers for counts) as a dict; :class:`SettingsError` with one line
-    naming the bad item otherwise. An empty string is no tuning."""
-    tuning: dict[str, bool | int] = {}
-    for item in (t.strip() for t in spec.split(",")):
-        if not item:
-            continue
-        key, eq, value = (x.strip() for x in item.partition("="))
-        kind = DECODE_TUNING.get(key)
-        if kind is None or not eq:
-            raise SettingsError(f"--decode-tuning {item!r}: expected KEY=VALUE with KEY one of "
-                                f"{', '.join(DECODE_TUNING)} (e.g. lean_tiles=true,split_tokens=4096)")
-        if key in tuning:
-            raise SettingsError(f"--decode-tuning {key} is given twice; give each key once")
-        if kind is bool:
-            if value.lower() not in ("true", "false"):
-                raise SettingsError(f"--decode-tuning {key}={value}: {key} takes true or false")
-            tuning[key] = value.lower() == "true"
-        else:
-            if not value.isdigit() or int(value) < 1:
-                raise SettingsError(f"--decode-tuning {key}={value}: {key} takes a positive integer")
-            tuning[key] = int(value)
-    return tuning
-
-
-def describe_decode_tuning(tuning: dict[str, Any]) -> str:
-    """``lean_tiles=true,split_tokens=4096``: :func:`parse_decode_tuning`'s input form (empty for none)."""
-    return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in tuning.items())
-
-
 class SettingsError(OscarError):
     """The ``oscar`` entry of ``--json-model-override-args`` is missing or malformed."""
 
@@ -92,16 +56,9 @@ class OscarSettings:
     artifact: Path
     anchors: int = DEFAULT_ANCHORS
     anchor_interval: int = DEFAULT_ANCHOR_INTERVAL
-    int8_scores: bool = False
-    """Decode scores over INT2 rows from int8 MMAs (each head's rotated query rounded to int8 steps of
-    ``max |q'| / 127``; ``oscar_kernels.decode_int2(int8_scores=...)``): faster at large batches, off by default."""
-    int8_values: bool = False
-    """Decode value products over INT2 rows from int8 MMAs (each tile's probabilities times value scales in int8
-    steps of 1/127 of its largest, rounded with a dither; ``oscar_kernels.decode_int2(int8_values=...)``): faster at
-    large batches, off by default."""
-    decode_tuning: dict[str, Any] = field(default_factory=dict)
-    """Extra decode-kernel launch options (keys of :data:`DECODE_TUNING`), passed to ``DecodePlan``; empty by
-    default (the kernel's measured defaults)."""
+    decode: DecodeOptions = DecodeOptions()
+    """How the decode kernel runs (``oscar serve --int8-scores --int8-values --decode-tuning``); the defaults are
+    the exact path at the kernel's measured launch settings."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "artifact", Path(self.artifact))
@@ -109,27 +66,12 @@ class OscarSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise SettingsError(f"oscar setting {name} must be a non-negative integer, got {v!r}")
-        for name in ("int8_scores", "int8_values"):
-            v = getattr(self, name)
-            if not isinstance(v, bool):
-                raise SettingsError(f"oscar setting {name} must be true or false, got {v!r}")
-        tuning = self.decode_tuning
-        if not isinstance(tuning, dict):
-            raise SettingsError(f"oscar setting decode_tuning must be an object, got {tuning!r}")
-        for k, v in tuning.items():
-            kind = DECODE_TUNING.get(k)
-            if kind is None:
-                raise SettingsError(f"unknown decode_tuning key {k!r}; allowed: {', '.join(DECODE_TUNING)}")
-            if kind is bool and not isinstance(v, bool):
-                raise SettingsError(f"decode_tuning {k} must be true or false, got {v!r}")
-            if kind is int and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise SettingsError(f"decode_tuning {k} must be a positive integer, got {v!r}")
-        object.__setattr__(self, "decode_tuning", dict(tuning))
+        if not isinstance(self.decode, DecodeOptions):
+            raise SettingsError(f"oscar setting decode must be DecodeOptions, got {self.decode!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"artifact": str(self.artifact), "anchors": self.anchors, "anchor_interval": self.anchor_interval,
-                "int8_scores": self.int8_scores, "int8_values": self.int8_values,
-                "decode_tuning": dict(self.decode_tuning)}
+                "decode": self.decode.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Any) -> OscarSettings:
@@ -141,6 +83,11 @@ class OscarSettings:
         if unknown:
             raise SettingsError(f'unknown key(s) {", ".join(unknown)} in the "{CHANNEL_KEY}" entry; '
                                 f"allowed: {', '.join(sorted(names))}")
+        if "decode" in d:
+            try:
+                d = {**d, "decode": DecodeOptions.from_dict(d["decode"], where=f'"decode" of the "{CHANNEL_KEY}" entry')}
+            except DecodeOptionsError as e:
+                raise SettingsError(str(e)) from None
         return cls(**d)
 
 
