@@ -1,5 +1,27 @@
-"""The measurements (server facts, admission, throughput, latency, profile) over one started server, and :func:`run`,
-which walks the configurations within the time budget."""
+"""The measurements over one started server, and :func:`run`, which walks the configurations within the time budget.
+
+Each measurement is recorded in ``OUT/results.jsonl`` as soon as it ends (:mod:`.records`):
+
+* ``server`` (always): SGLang's ``max_total_num_tokens`` (``/server_info``, the start log as fallback) as concurrent
+  long requests, the KV allocation SGLang logs and reports, and for oscar the plugin's budget line; bits per KV
+  element per token slot and over the pool's real allocation (for oscar this includes the exact sink/recent regions).
+* ``capacity`` (record ``admission``): the long-request count started at once at ``--admission-context`` (a context
+  whose prefill fits the budget), read back from ``/v1/loads`` and the ``Decode batch`` log lines.
+* ``throughput``: decode tokens/s at the configuration's largest batch and at the equal batch (the BF16 largest, or
+  ``--equal-batch``), each request at ``--long-context``. Client side: all streams' tokens over the window in which
+  every stream decodes; server side: the median ``gen throughput`` of its log lines. ``--fill`` says how the cache
+  is filled: ``prefill`` (distinct prompts), ``prefix`` (one shared prefix and distinct 32-token suffixes: an
+  optimistic fill, L2 may serve the shared pages), ``null`` (distinct prompts whose prefill skips the model through
+  the benchmark plugin :mod:`oscar_cli.serve.sglang.bench_fill`), ``auto`` (prefill up to ``--prefill-budget``).
+* ``latency``: batch-1 inter-token latency (median token gap) and time to first token at each latency context,
+  after one unrecorded warm-up request (:data:`WARMUP_TOKENS`).
+* ``profile``: SGLang's torch profiler over :data:`~.spec.PROFILE_STEPS` decode steps at bs1 and at the largest
+  batch; kernel time per step as attention, GEMM and other.
+
+Budget: no measurement starts after ``--budget-s`` (it is recorded as skipped), request timeouts are ceilings from
+their token counts capped by the time left, and timed-out requests are aborted. A backend's first start gets
+``--start-timeout``, a restart :data:`~.spec.RESTART_TIMEOUT_S`.
+"""
 
 from __future__ import annotations
 
@@ -55,7 +77,7 @@ from .spec import (
     SUFFIX_TOKENS,
     BenchConfig,
     BenchError,
-    ServeConfig,
+    EngineConfig,
     check_with_plugin,
     prepare_model,
     requests_at,
@@ -68,7 +90,7 @@ from .spec import (
 class Run:
     """One configuration's server and everything its measurements share."""
 
-    def __init__(self, cfg: BenchConfig, config: ServeConfig, server: Any, recorder: Recorder, progress: Progress,
+    def __init__(self, cfg: BenchConfig, config: EngineConfig, server: Any, recorder: Recorder, progress: Progress,
                  deadline: float, records: list[dict], gpu: Callable[[], float | None] = gpu_used_mib):
         self.cfg, self.config, self.server, self.recorder = cfg, config, server, recorder
         self.progress, self.deadline, self.records, self.gpu = progress, deadline, records, gpu

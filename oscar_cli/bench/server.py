@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .spec import BenchConfig, BenchError, ServeConfig, server_argv
+from .spec import BenchConfig, BenchError, EngineConfig, server_argv
 
 POLL_S = 1.0
 """How often /v1/loads and nvidia-smi are polled during a measurement."""
@@ -388,7 +388,7 @@ class Server:
         self._f.close()
 
 
-def start_server(config: ServeConfig, cfg: BenchConfig, model: Path, artifact: Path | None, timeout: float) -> Server:
+def start_server(config: EngineConfig, cfg: BenchConfig, model: Path, artifact: Path | None, timeout: float) -> Server:
     out = Path(cfg.out).resolve()
     argv, env = server_argv(config, cfg, model, artifact, out / "profiles")
     n = len(list((out / "logs").glob(f"server-{config.name}-*.log"))) if (out / "logs").is_dir() else 0

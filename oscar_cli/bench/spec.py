@@ -1,5 +1,18 @@
-"""What ``oscar bench`` runs: the Qwen3-8B-shaped model and its data-free artifact, the configurations and their
-server arguments (see :mod:`oscar_cli.bench` for the whole spec)."""
+"""What ``oscar bench`` runs: the model and its artifact, the engine configurations and their server arguments.
+
+**Model.** Qwen3-8B's architecture (:data:`QWEN3_8B_SHAPED`, written by :func:`write_model`) served with
+``--load-format dummy`` (random weights: decode speed does not depend on weight values) and a copied tokenizer
+folder (SmolLM2's is enough: prompts are random token ids below its vocabulary). Its artifact is data-free
+(:func:`write_random_artifact`: a seeded Haar-random rotation per layer for K and one for V, clip 1.0, the
+``QuantScheme`` defaults); the folder's ``oscar_model.json`` and the manifest carry the same random-weight
+fingerprint, so the plugin's own checks pass, run on CPU before any server starts (:func:`check_with_plugin`).
+
+**Configurations** (:data:`CONFIGS`, :class:`EngineConfig`): one server each, all at one ``--mem-fraction-static``,
+``--context-length``, ``--sampling-backend pytorch``. ``oscar`` goes through
+:func:`oscar_cli.serve.sglang.launch.build_launch` with its decode options; the baselines are plain SGLang with no
+plugin loaded. They run baselines first, so the BF16 largest batch is known when oscar runs. ``--decode-tuning``
+sets decode options on every oscar configuration, recorded under its own name (:func:`tuned`).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from oscar_kernels.scheme import DecodeOptions, DecodeOptionsError
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout this package sits in (the plugin site and RESULTS.md default are relative to it)."""
@@ -48,8 +63,9 @@ class BenchError(Exception):
 
 # ---------------------------------------------------------------------------------------------------- configurations
 @dataclass(frozen=True)
-class ServeConfig:
-    """One SGLang server configuration under test."""
+class EngineConfig:
+    """One benchmarked engine configuration: an SGLang attention backend, its KV dtype and, for oscar, the decode
+    kernel's options."""
 
     name: str
     backend: str
@@ -57,28 +73,24 @@ class ServeConfig:
     """``--kv-cache-dtype`` (None: SGLang's ``auto``, BF16 for this model)."""
     kv: str
     """How the table names its KV cache."""
-    int8_scores: bool = False
-    """oscar: decode scores from int8 MMAs (``oscar serve --int8-scores``)."""
-    int8_values: bool = False
-    """oscar: decode value products from int8 MMAs (``oscar serve --int8-values``)."""
-    decode_tuning: tuple[tuple[str, bool | int], ...] = ()
-    """oscar: more decode-kernel launch options (``OscarSettings.decode_tuning``), as ``(key, value)`` pairs."""
+    decode: DecodeOptions = DecodeOptions()
+    """oscar: the decode kernel's options (``oscar serve --int8-scores --int8-values --decode-tuning``)."""
 
 
-CONFIGS: dict[str, ServeConfig] = {c.name: c for c in (
-    ServeConfig("flashinfer", "flashinfer", None, "BF16"),
-    ServeConfig("flashinfer-fp8", "flashinfer", "fp8_e4m3", "FP8 e4m3"),
-    ServeConfig("triton", "triton", None, "BF16"),
-    ServeConfig("triton-fp8", "triton", "fp8_e4m3", "FP8 e4m3"),
-    ServeConfig("oscar", "oscar", None, "INT2 g128 s64/r256"),
-    ServeConfig("oscar-int8", "oscar", None, "INT2 g128 s64/r256, int8 scores", int8_scores=True),
-    ServeConfig("oscar-int8-pv", "oscar", None, "INT2 g128 s64/r256, int8 scores and values", int8_scores=True,
-                int8_values=True),
-    ServeConfig("oscar-lean", "oscar", None, "INT2 g128 s64/r256, lean tiles, movmatrix",
-                decode_tuning=(("lean_tiles", True), ("movmatrix", True))),
-    ServeConfig("oscar-int8-pv-lean", "oscar", None, "INT2 g128 s64/r256, int8 scores and values, lean tiles, "
-                "fused update, movmatrix", int8_scores=True, int8_values=True,
-                decode_tuning=(("lean_tiles", True), ("fused_update", True), ("movmatrix", True))),
+CONFIGS: dict[str, EngineConfig] = {c.name: c for c in (
+    EngineConfig("flashinfer", "flashinfer", None, "BF16"),
+    EngineConfig("flashinfer-fp8", "flashinfer", "fp8_e4m3", "FP8 e4m3"),
+    EngineConfig("triton", "triton", None, "BF16"),
+    EngineConfig("triton-fp8", "triton", "fp8_e4m3", "FP8 e4m3"),
+    EngineConfig("oscar", "oscar", None, "INT2 g128 s64/r256"),
+    EngineConfig("oscar-int8", "oscar", None, "INT2 g128 s64/r256, int8 scores", DecodeOptions(int8_scores=True)),
+    EngineConfig("oscar-int8-pv", "oscar", None, "INT2 g128 s64/r256, int8 scores and values",
+                 DecodeOptions(int8_scores=True, int8_values=True)),
+    EngineConfig("oscar-lean", "oscar", None, "INT2 g128 s64/r256, lean tiles, movmatrix",
+                 DecodeOptions(lean_tiles=True, movmatrix=True)),
+    EngineConfig("oscar-int8-pv-lean", "oscar", None, "INT2 g128 s64/r256, int8 scores and values, lean tiles, "
+                 "fused update, movmatrix", DecodeOptions(int8_scores=True, int8_values=True, lean_tiles=True,
+                                                          fused_update=True, movmatrix=True)),
 )}
 """In run order: baselines first, so the BF16 largest batch is recorded before oscar needs it."""
 BASELINE = "flashinfer"
@@ -131,7 +143,7 @@ PROFILE_TIMEOUT_S = 180.0
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One ``oscar bench`` run (see the module docstring for each measurement)."""
+    """One ``oscar bench`` run (see :mod:`.measure` for each measurement)."""
 
     out: Path
     tokenizer: Path | None = None
@@ -158,9 +170,9 @@ class BenchConfig:
     """Passed to every server after the bench's own flags."""
     command: str = ""
     commit: str | None = None
-    decode_tuning: tuple[tuple[str, bool | int], ...] = ()
-    """Decode-kernel launch options added to every oscar configuration (``--decode-tuning``; see
-    :func:`tuned`)."""
+    decode_tuning: str = ""
+    """Decode-kernel options set on every oscar configuration (``--decode-tuning KEY=VALUE,...``; see
+    :func:`tuned`), kept as :func:`tuning_label` writes them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out", Path(self.out))
@@ -178,6 +190,10 @@ class BenchConfig:
         if any(c <= self.decode_tokens + SUFFIX_TOKENS or c > self.context_length for c in lengths):
             raise BenchError(f"every context ({', '.join(map(str, lengths))}) must exceed --decode-tokens + "
                              f"{SUFFIX_TOKENS} and fit --context-length {self.context_length}")
+        try:
+            object.__setattr__(self, "decode_tuning", tuning_label(self.decode_tuning))
+        except DecodeOptionsError as e:
+            raise BenchError(str(e)) from None
         if self.decode_tuning and not any(CONFIGS[c].backend == "oscar" for c in self.configs):
             raise BenchError("--decode-tuning applies to the oscar configurations and none is selected; add one "
                              "to --configs (e.g. oscar-int8-pv) or drop --decode-tuning")
@@ -185,17 +201,24 @@ class BenchConfig:
         object.__setattr__(self, "measures", tuple(m for m in RUN_ORDER if m in self.measures))
 
 
-def tuned(config: ServeConfig, tuning: tuple[tuple[str, bool | int], ...]) -> ServeConfig:
-    """``config`` with ``--decode-tuning``'s options over its own (oscar configurations; a baseline is returned as
-    is). The result is named ``NAME+KEY=VALUE,...`` and its KV label says the options, so its records never mix
-    with the plain configuration's."""
+def tuning_label(spec: str) -> str:
+    """``--decode-tuning``'s items in one form: the keys given, in :class:`DecodeOptions`' field order, values as
+    :meth:`DecodeOptions.parse` reads them (``"split_tokens=4096, movmatrix=False"`` ->
+    ``"movmatrix=false,split_tokens=4096"``); keys given at their default stay (they override a configuration's own
+    options). One-line :class:`DecodeOptionsError` for a bad item."""
+    given = DecodeOptions.parse(spec)
+    keys = {item.partition("=")[0].strip() for item in spec.split(",")}
+    return ",".join(f"{k}={json.dumps(getattr(given, k))}" for k in DecodeOptions.names() if k in keys)
+
+
+def tuned(config: EngineConfig, tuning: str) -> EngineConfig:
+    """``config`` with ``--decode-tuning``'s items (:func:`tuning_label`'s form) over its own decode options (oscar
+    configurations; a baseline is returned as is). The result is named ``NAME+KEY=VALUE,...`` and its KV label says
+    the items, so its records never mix with the plain configuration's."""
     if config.backend != "oscar" or not tuning:
         return config
-    from oscar_cli.serve.sglang.settings import describe_decode_tuning
-
-    label = describe_decode_tuning(dict(tuning))
-    return dataclasses.replace(config, name=f"{config.name}+{label}", kv=f"{config.kv}, {label.replace(',', ', ')}",
-                               decode_tuning=tuple({**dict(config.decode_tuning), **dict(tuning)}.items()))
+    return dataclasses.replace(config, name=f"{config.name}+{tuning}", kv=f"{config.kv}, {tuning.replace(',', ', ')}",
+                               decode=DecodeOptions.parse(tuning, base=config.decode))
 
 
 def parse_names(spec: str, allowed: Iterable[str], what: str) -> tuple[str, ...]:
@@ -334,7 +357,7 @@ def check_with_plugin(model: Path, artifact: Path, max_running_requests: int, co
 
 
 # ---------------------------------------------------------------------------------------------------- server argv
-def server_argv(config: ServeConfig, cfg: BenchConfig, model: Path, artifact: Path | None,
+def server_argv(config: EngineConfig, cfg: BenchConfig, model: Path, artifact: Path | None,
                 profile_dir: Path) -> tuple[list[str], dict[str, str]]:
     """``(argv, env to add)`` of one configuration's server. oscar's goes through ``build_launch`` (which refuses
     flags the plugin cannot serve); the baselines' are plain ``sglang.launch_server`` with no plugin loaded."""
@@ -354,8 +377,7 @@ def server_argv(config: ServeConfig, cfg: BenchConfig, model: Path, artifact: Pa
             raise BenchError("the oscar configuration needs an artifact")
         flags += ["--max-running-requests", str(cfg.max_running_requests)]
         argv, plugin_env = build_launch(str(model), Path(artifact), "127.0.0.1", cfg.port, [*flags, *cfg.extra],
-                                        int8_scores=config.int8_scores, int8_values=config.int8_values,
-                                        decode_tuning=dict(config.decode_tuning))
+                                        decode=config.decode)
         for k, v in plugin_env.items():
             env[k] = ",".join([v, *plugins]) if k == "SGLANG_PLUGINS" else v
         return argv, env

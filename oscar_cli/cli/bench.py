@@ -1,9 +1,9 @@
 """``oscar bench``: OSCAR INT2 KV in SGLang 0.5.17 against SGLang's BF16 and FP8 KV, end to end on a GPU.
 
-The command parses flags into the library's ``BenchConfig`` (:mod:`oscar_cli.bench`, which holds the spec of
-every measurement), runs it with a progress bar, and renders the recorded results: one table, a section appended to
-``benchmarks/RESULTS.md``, and with ``--plot`` a figure. ``--render RESULTS_JSON`` only renders recorded results
-(no GPU, no SGLang). Measured on an H200: ``benchmarks/RESULTS.md``.
+The command parses flags into the library's ``BenchConfig`` (:mod:`oscar_cli.bench`; each measurement is defined
+in :mod:`oscar_cli.bench.measure`), runs it with a progress bar, and renders the recorded results: one table, a
+section appended to ``benchmarks/RESULTS.md``, and with ``--plot`` a figure. ``--render RESULTS_JSON`` only renders
+recorded results (no GPU, no SGLang).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import typer
 
 from ..config import DEFAULT_MODEL, DEFAULT_STORE
 from ..errors import OscarError
-from ._app import DecodeTuningOpt, JsonOpt, StoreOpt, app, console, guarded, out
+from ._app import DecodeTuningOpt, JsonOpt, StoreOpt, app, console, decode_options, guarded, out
 
 DEFAULT_OUT = Path(".oscar/bench")
 TABLE_WIDTH = 220
@@ -126,16 +126,18 @@ def bench_cmd(
 
     Example: oscar bench --configs flashinfer,oscar --tokenizer .oscar/models/smollm2-135m --out /tmp/oscar-bench
 
-    Render recorded results only: oscar bench --render /tmp/oscar-bench/results.jsonl --plot bench.png
+    Each measurement is appended to OUT/results.jsonl as it ends; a later run into the same --out adds to it.
+
+    Under a time limit: one configuration per call, baselines first (oscar's equal batch is BF16's largest).
+
+    Render recorded results only (no GPU): oscar bench --render /tmp/oscar-bench/results.jsonl --plot bench.png
 
     Arguments after -- go to every server: oscar bench --configs oscar -- --chunked-prefill-size 4096
 
     Decode-kernel options on every oscar configuration, recorded as CONFIG+KEY=VALUE,...:
     oscar bench --configs flashinfer,oscar-int8-pv --decode-tuning split_tokens=4096
     """
-    from ..serve.sglang.settings import parse_decode_tuning
-
-    tuning = parse_decode_tuning(decode_tuning)
+    decode_options(decode_tuning)  # a bad item is a usage error before anything runs
     d = driver()
     if render is not None:
         records = _bench_errors(d.load_records, render)
@@ -158,7 +160,7 @@ def bench_cmd(
         decode_tokens=decode_tokens, equal_batch=equal_batch, fill=fill, prefill_budget=prefill_budget,
         max_running_requests=max_running, cuda_graph_max_bs=graph_bs, budget_s=budget_s,
         start_timeout_s=start_timeout, port=port, extra=tuple(ctx.args), command=_command(), commit=commit,
-        decode_tuning=tuple(tuning.items()))
+        decode_tuning=decode_tuning)
     _bench_errors(_run, d, cfg, json_out)
     records = d.load_records(Path(cfg.out) / d.RESULTS_FILE)
     default_md = Path("benchmarks/RESULTS.md")  # as the other benchmarks: relative to the checkout it runs in
