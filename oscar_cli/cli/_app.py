@@ -42,10 +42,9 @@ StoreOpt = Annotated[Path, typer.Option("--store", help="Store folder (DuckDB da
 ArtifactsOpt = Annotated[Path, typer.Option("--artifacts", help="Folder that holds artifacts/<model>/v<N>/.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
 DecodeTuningOpt = Annotated[str, typer.Option("--decode-tuning", help="Decode-kernel options of the SGLang engine, "
-                                              "KEY=VALUE[,KEY=VALUE...] with KEY among int8_scores, int8_values, "
-                                              "fused_update, lean_tiles, movmatrix (true/false), num_stages, "
-                                              "max_registers, split_tokens (integers); default: the exact path at "
-                                              "the kernel's measured launch settings.")]
+                                              f"KEY=VALUE[,KEY=VALUE...] with KEY among {', '.join(DecodeOptions.names())}"
+                                              " (true/false for switches, integers for counts); default: the exact "
+                                              "path at the kernel's measured launch settings.")]
 RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="Recipe YAML (recipes/<model>.yaml); flags override it.")]
 
 DEFAULTS = {"model": DEFAULT_MODEL, "store": DEFAULT_STORE, "artifacts": DEFAULT_ARTIFACTS}

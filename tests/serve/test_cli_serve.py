@@ -145,6 +145,12 @@ def test_decode_flags_are_sglang_only(word_model, serve_store, flag):
     assert f"{flag.partition('=')[0]} is an SGLang engine option" in msg and "--engine sglang" in msg
 
 
+def test_decode_tuning_help_names_every_decode_option():
+    r = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200)
+    assert r.exit_code == 0 and "--decode-tuning" in r.output
+    assert all(name in r.output for name in DecodeOptions.names()), r.output
+
+
 BAD_TUNING = [
     ("lean=true", "--decode-tuning 'lean=true': expected KEY=VALUE with KEY one of int8_scores"),
     ("lean_tiles", "--decode-tuning 'lean_tiles': expected KEY=VALUE"),
