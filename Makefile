@@ -1,5 +1,6 @@
-# OSCAR-KV. `make demo` runs the main job on the embedded default; `make test` runs the test suite.
-# Both create the virtualenv on first use.
+# OSCAR-KV. `make demo` runs the main job on the embedded default; `make test` runs the test suite (minutes on two
+# cores), `make test-slow` the tests that calibrate or evaluate the embedded model (CI runs both). All three create the
+# virtualenv on first use. `make gpu-test` runs the GPU suite on a CUDA machine without the virtualenv.
 
 VENV ?= .venv
 PYTHON ?= python3
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.installed
 DEPS := torch==2.13.0 "lm-eval[hf,ruler]==0.4.13" transformers gguf duckdb typer rich datasets triton \
         safetensors numpy pyyaml matplotlib pyarrow fastapi uvicorn pytest ruff openai tenacity
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-slow gpu-test lint bench clean
 
 setup: $(STAMP)
 
@@ -30,11 +31,20 @@ demo: setup
 	$(BIN)/oscar fit --recipe recipes/smollm2-135m.yaml
 	$(BIN)/oscar inspect latest --plot artifacts/smollm2-135m-inspect.png
 
-test: setup
-	$(BIN)/pytest -q
+# The expensive fixtures (the embedded model converted, its 16k-token artifact) are cached by content in
+# ~/.cache/oscar-kv-tests (OSCAR_TEST_CACHE moves it); SHUFFLE=SEED runs the tests in a random order.
+PYTEST_ARGS = $(if $(SHUFFLE),--shuffle $(SHUFFLE))
 
-test-fast: setup
-	$(BIN)/pytest -q -m "not slow"
+test: setup
+	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	$(BIN)/pytest -q -m slow $(PYTEST_ARGS)
+
+gpu-test:
+	# on a CUDA machine with a plain checkout: every test of the GPU suite (pytest -m gpu), one summary line, exit 1
+	# on any failure; appends the line to benchmarks/RESULTS.md (see the script for SHUFFLE, WHEELS, COMMIT)
+	benchmarks/gpu_suite.sh tests
 
 lint: setup
 	$(BIN)/ruff check oscar_cli kernels tests benchmarks

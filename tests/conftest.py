@@ -1,8 +1,11 @@
-"""Shared fixtures: the embedded default model converted once per session, and a tiny random-weight Llama."""
+"""Shared fixtures (the embedded default converted and calibrated once, cached by content; a tiny random-weight
+Llama), the ``--shuffle SEED`` option and the ``gpu`` marker of the GPU suite."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import random
 import shutil
 import sys
 from pathlib import Path
@@ -11,30 +14,127 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers.py (pytest runs with --import-mode=importlib)
-from helpers import EMBEDDED, WordKit, build_llama  # noqa: E402
+from helpers import (  # noqa: E402
+    EMBEDDED,
+    ROOT,
+    WordKit,
+    build_llama,
+    cached_build,
+    copy_files,
+    file_digest,
+    tree_digest,
+    versions,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: fail fast instead of retrying the network
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in the interpreter (set before triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+TESTS = Path(__file__).resolve().parent
+GPU_SUITE = ("kernels", "test_cache_kernels.py")
+"""Tests whose kernels run compiled on CUDA when a GPU is present (under the interpreter otherwise): their non-slow
+tests are marked ``gpu`` at collection, and ``make gpu-test`` runs ``-m gpu``. A test elsewhere joins the GPU suite
+with an explicit ``@pytest.mark.gpu`` (which also keeps a slow kernel test in it)."""
+TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja")
+COLLECT = ["--tokens", "16384", "--seq-len", "512", "--batch-size", "8"]
+FIT = ["--per-head", "--sink", "16", "--recent", "64"]
 
-@pytest.fixture(scope="session")
-def embedded_store(tmp_path_factory) -> Path:
-    """A store folder holding the safetensors copy of the embedded default (converted once, ~20 s)."""
+
+# ---------------------------------------------------------------- options: the random order, the GPU suite's marker
+def pytest_addoption(parser):
+    parser.addoption("--shuffle", metavar="SEED", default=None,
+                     help="run the tests in an order drawn from SEED (an integer, or 'random' for a fresh one; the "
+                          "seed is printed at the end): exposes state that leaks from one test into another")
+
+
+def pytest_configure(config):
+    seed = config.getoption("shuffle")
+    if seed is None:
+        return
+    if seed == "random":
+        seed = str(random.SystemRandom().randrange(10**6))
+    if not seed.isdigit():
+        raise pytest.UsageError(f"--shuffle takes an integer seed or 'random', not {seed!r}")
+    config.option.shuffle = seed
+
+
+def pytest_report_header(config):
+    seed = config.getoption("shuffle")
+    return f"shuffled: --shuffle {seed}" if seed is not None else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m gpu` must see the marks (deselecting keeps the order)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(item.path).resolve()
+        if path.is_relative_to(TESTS) and path.relative_to(TESTS).parts[0] in GPU_SUITE \
+                and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.gpu)
+    seed = config.getoption("shuffle")
+    if seed is not None:  # the same seed gives the same order in every xdist worker (they must agree)
+        random.Random(int(seed)).shuffle(items)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    seed = config.getoption("shuffle")
+    if seed is not None:
+        terminalreporter.write_line(f"test order shuffled: --shuffle {seed} repeats it")
+
+
+# ---------------------------------------------------------------- the embedded default, built once per content
+def _gguf() -> Path:
+    from oscar_cli.models import embedded_gguf
+
+    return embedded_gguf(EMBEDDED)
+
+
+def _model_key() -> dict:
+    from oscar_cli import models
+
+    return {"gguf": file_digest(_gguf()), "converter": file_digest(Path(inspect.getsourcefile(models.resolve))),
+            "versions": versions("torch", "transformers", "gguf", "safetensors")}
+
+
+def embedded_model() -> Path:
+    """The safetensors copy of the embedded default (``oscar_cli.models.resolve``), converted once per content."""
     from oscar_cli.models import resolve
 
-    store = tmp_path_factory.mktemp("store")
-    resolve(EMBEDDED, store)
+    return cached_build("model-" + EMBEDDED, _model_key(), lambda f: resolve(EMBEDDED, f)) / "models" / EMBEDDED
+
+
+def _link_model(store: Path) -> Path:
+    (store / "models").mkdir(parents=True, exist_ok=True)
+    (store / "models" / EMBEDDED).symlink_to(embedded_model(), target_is_directory=True)
     return store
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, embedded_store) -> Path:
+def embedded_store(tmp_path_factory) -> Path:
+    """A store folder holding the safetensors copy of the embedded default (converted once, ~20 s, then cached)."""
+    return _link_model(tmp_path_factory.mktemp("store"))
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer() -> Path:
+    """The embedded default's tokenizer files, read from its GGUF alone (no model conversion; cached)."""
+
+    def build(folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        gguf = _gguf()
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder))
+
+    key = {"gguf": file_digest(_gguf()), "build": inspect.getsource(build),
+           "versions": versions("transformers", "tokenizers", "gguf")}
+    return cached_build("tokenizer-" + EMBEDDED, key, build)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_tokenizer) -> Path:
     """A 2-layer random-weight Llama (GQA 4:2, head dim 16) saved with the embedded model's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    src = embedded_store / "models" / EMBEDDED
     cfg = LlamaConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
@@ -42,28 +142,41 @@ def tiny_model_dir(tmp_path_factory, embedded_store) -> Path:
     model = LlamaForCausalLM(cfg)
     out = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(out)
-    for f in src.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
-            shutil.copy(f, out / f.name)
+    copy_files(embedded_tokenizer, out,
+               [f.name for f in embedded_tokenizer.iterdir() if f.name.startswith("tokenizer") or f.name in TOKENIZER_FILES])
     return out
 
 
 @pytest.fixture(scope="session")
 def embedded_artifact(embedded_store, tmp_path_factory) -> Path:
-    """``oscar collect`` (16,384 tokens) and ``oscar fit --per-head`` on the embedded default; returns the artifact."""
-    from typer.testing import CliRunner
+    """``oscar collect`` (16,384 tokens) and ``oscar fit --per-head`` on the embedded default; returns the artifact.
 
-    from oscar_cli.cli import app
+    Built once per content (the GGUF, the oscar_cli and kernels sources, the package versions, the arguments) and
+    cached: a session copies the built store's database into ``embedded_store`` and the artifact into its tmp."""
+    from oscar_cli.store import DB_FILE
 
-    arts = tmp_path_factory.mktemp("artifacts")
-    runner = CliRunner()
-    r = runner.invoke(app, ["collect", "--store", str(embedded_store), "--tokens", "16384", "--seq-len", "512",
-                            "--batch-size", "8"], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["fit", "--store", str(embedded_store), "--artifacts", str(arts), "--per-head",
-                            "--sink", "16", "--recent", "64"], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    return next(arts.glob("*/v1"))
+    def build(folder: Path) -> None:
+        from typer.testing import CliRunner
+
+        from oscar_cli.cli import app
+
+        store = _link_model(folder / "store")
+        runner = CliRunner()
+        r = runner.invoke(app, ["collect", "--store", str(store), *COLLECT], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        r = runner.invoke(app, ["fit", "--store", str(store), "--artifacts", str(folder / "artifacts"), *FIT],
+                          catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+
+    key = {**_model_key(), "code": tree_digest(ROOT / "oscar_cli", ROOT / "kernels"), "collect": COLLECT, "fit": FIT,
+           "build": inspect.getsource(build), "versions": versions("torch", "transformers", "duckdb", "numpy")}
+    built = cached_build("artifact-" + EMBEDDED, key, build)
+    assert not (embedded_store / DB_FILE).exists(), "embedded_artifact must fill embedded_store before any test writes"
+    copy_files(built / "store", embedded_store)
+    src = next((built / "artifacts").glob("*/v1"))
+    dest = tmp_path_factory.mktemp("artifacts") / src.parent.name / "v1"
+    shutil.copytree(src, dest, copy_function=shutil.copyfile)
+    return dest
 
 
 @pytest.fixture()

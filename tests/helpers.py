@@ -1,15 +1,26 @@
-"""Builders the tests share: tiny random-weight Llamas, a word-level tokenizer kit and the benchmark scripts as
-modules (imported by conftest.py and by test modules as ``helpers``)."""
+"""Builders the tests share: tiny random-weight Llamas, a word-level tokenizer kit, the benchmark scripts as
+modules and a content-keyed cache for the expensive session fixtures (imported by conftest.py and by test modules as
+``helpers``)."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
 EMBEDDED = "smollm2-135m"
 ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("OSCAR_TEST_CACHE")
+             or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "oscar-kv-tests")
+"""Where :func:`cached_build` keeps what it built (``OSCAR_TEST_CACHE`` moves it; deleting it between runs is safe)."""
 
 
 def load_benchmark(name: str):
@@ -18,6 +29,67 @@ def load_benchmark(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_digest(*folders: Path) -> str:
+    """sha256 over the relative path and bytes of every file under ``folders`` (bytecode caches left out)."""
+    h = hashlib.sha256()
+    for folder in folders:
+        for f in sorted(folder.rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
+                h.update(f"{f.relative_to(folder.parent)}\0".encode())
+                h.update(file_digest(f).encode())
+    return h.hexdigest()
+
+
+def versions(*packages: str) -> dict[str, str]:
+    return {p: importlib.metadata.version(p) for p in packages}
+
+
+def cached_build(name: str, key: dict, build: Callable[[Path], None]) -> Path:
+    """The folder ``CACHE/<name>-<digest of key>``, filled by ``build(folder)`` the first time and reused after.
+
+    ``key`` must name everything the result depends on: input file digests, a digest of the code that builds it,
+    package versions and arguments. One process builds while the others wait on a file lock; a build that crashed
+    leaves no completion mark and is redone. The files are made read-only once built: a test that writes into the
+    cache fails instead of changing what later runs read."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    folder = CACHE / f"{name}-{digest}"
+    done = folder / ".complete"
+    if done.is_file():
+        return folder
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"{name}-{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / "key.json").write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
+            for f in folder.rglob("*"):
+                if f.is_file() and not f.is_symlink():
+                    f.chmod(0o444)
+            done.touch()
+    return folder
+
+
+def copy_files(src: Path, dest: Path, names: Iterable[str] | None = None) -> None:
+    """Copy the plain files of ``src`` (or those named) into ``dest`` as writable files."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.startswith(".") and (names is None or f.name in names):
+            shutil.copyfile(f, dest / f.name)
+
+
 WORDS = [f"w{i}" for i in range(90)]
 
 
