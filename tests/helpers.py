@@ -60,8 +60,8 @@ def cached_build(name: str, key: dict, build: Callable[[Path], None]) -> Path:
 
     ``key`` must name everything the result depends on: input file digests, a digest of the code that builds it,
     package versions and arguments. One process builds while the others wait on a file lock; a build that crashed
-    leaves no completion mark and is redone. The files are made read-only once built: a test that writes into the
-    cache fails instead of changing what later runs read."""
+    leaves no completion mark and is redone. The files are made read-only once built (a test that writes into the
+    cache fails, except as root)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     folder = CACHE / f"{name}-{digest}"
     done = folder / ".complete"
