@@ -1,7 +1,7 @@
 """Decode on Qwen3-8B shapes: INT2 (``DecodePlan``) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
 
 Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge | --variants
-[--set l2|write-peel|one-wave|balance|pair|async|int8] [--recent N]] [--results benchmarks/RESULTS.md]
+[--set write|one-wave|balance|async|int8|int8-values|lean] [--recent N]] [--results benchmarks/RESULTS.md]
 Prints a table (median µs, GB/s on the bytes the attention reads, ratio to the best BF16 backend measured in the same
 run, fraction of the copy bandwidth measured in the same run) and appends it to RESULTS.md with the date, device,
 commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is planned by ``DecodePlan`` over an
@@ -9,7 +9,7 @@ commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is
 of the earlier tables (RESULTS.md, commits 529689a, dda96f4, dbd78bb). "INT2 µs" is ``DecodePlan.attend`` (the
 attention alone, comparable with those tables); "run µs" is ``DecodePlan.run`` (the new token's K/V written as INT2
 code + exact row by one ``quantize_pack_kv`` launch for K and V, with the plan's default write
-``oscar_kernels.quantize_pack.DECODE_WRITE``, then the attention); "run µs, tf32x3 write" the same with an empty
+``oscar_kernels.write.DECODE_WRITE``, then the attention); "run µs, tf32x3 write" the same with an empty
 ``write_tuning``: ``quantize_pack_kv``'s own parameters (the prefill write's, the decode default before commit
 c0a87a8's measurement).
 """
@@ -22,8 +22,17 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 import triton
-from oscar_kernels import DecodePlan, Int2KVPool, Int2Pool, LayerCache, decode_int2, decode_workspace
-from oscar_kernels.decode_int2 import default_num_splits
+from oscar_kernels import (
+    DecodeLaunch,
+    DecodeOptions,
+    DecodePlan,
+    Int2KVPool,
+    Int2Pool,
+    LayerCache,
+    decode_int2,
+    decode_workspace,
+    default_num_splits,
+)
 from oscar_kernels.scheme import QuantScheme
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -82,7 +91,7 @@ class Int2Case:
                     for p in (c.k, c.v)]
             self.cache = dataclasses.replace(c, k=flat[0], v=flat[1])
         self.req_to_token = torch.arange(bs * ctx, device=DEV, dtype=torch.int32).view(bs, ctx)  # filled in order
-        self.plan = DecodePlan(self.pool, bs, ctx, q_heads=HQ, **plan_kw)
+        self.plan = DecodePlan(self.pool, bs, ctx, q_heads=HQ, **plan_kwargs(plan_kw))
         self.plan.plan(self.req_to_token, torch.arange(bs, device=DEV), torch.full((bs,), ctx, device=DEV),
                        self.req_to_token[:, ctx - 1].contiguous())
         self.q = torch.randn(bs, HQ, D, device=DEV, dtype=torch.bfloat16, generator=gen)
@@ -103,16 +112,18 @@ class Int2Case:
 
     def fn(self, num_splits: int | None = None, **kw):
         """The attention alone (``decode_int2`` over the planned lists); ``num_splits`` forces a uniform count
-        (grid and workspace sized for it), ``kw`` go to ``decode_int2``."""
+        (grid and workspace sized for it), ``kw`` (flat: :func:`split_knobs`) go to ``decode_int2``."""
+        options, launch, rest = split_knobs(kw)
         index, ws = self.plan.index, None
         if num_splits is not None:
             index = dataclasses.replace(index, num_splits=torch.full_like(index.num_splits, num_splits),
                                         max_splits=num_splits)
-            ws = decode_workspace(self.bs, HQ, D, num_splits, DEV)
+            ws = decode_workspace(self.bs, HQ, D, num_splits, DEV, index.exact_splits)
         else:
             ws = self.plan._workspace
         return lambda: decode_int2(self.q, self.cache, index, workspace=ws, out=self.out,
-                                   sm_scale=self.plan.sm_scale, **kw)
+                                   sm_scale=self.plan.sm_scale, options=options or DecodeOptions(),
+                                   launch=launch or DecodeLaunch(), **rest)
 
 
 def sdpa_case(bs, ctx, gen):
@@ -192,49 +203,26 @@ STEP_SHAPES = [(1, 8192, 16), (1, 32768, 8), (1, 100000, 4), (16, 131072, 1), (3
 at bs1/100k) is at least twice the H200's 50 MB L2, so every layer reads its codes from HBM, as in a model."""
 STEP_VARIANTS_LONG_RECENT = [
     ("default", {}),
-    ("exact quarters", dict(exact_quarters=True)),
-    ("exact quarters, 1408 programs", dict(exact_quarters=True, min_programs=1408)),
-    ("exact quarters, exact tile 16 x 5, 1536 programs", dict(exact_quarters=True, block_nb=16, exact_splits=5,
-                                                              min_programs=1536)),
-    ("exact quarters, 1408 programs, write 2 warps", dict(exact_quarters=True, min_programs=1408,
-                                                          write_tuning=dict(block_n=1, rot_precision="fma",
+    ("1408 programs", dict(min_programs=1408)),
+    ("exact tile 16 x 5, 1536 programs", dict(block_nb=16, exact_splits=5, min_programs=1536)),
+    ("1408 programs, write 2 warps", dict(min_programs=1408, write_tuning=dict(block_n=1, rot_precision="fma",
                                                                             num_warps=2))),
-    ("exact quarters, 1408 programs, merge cols 64", dict(exact_quarters=True, min_programs=1408, merge_cols=64)),
-    ("exact quarters, early V", dict(exact_quarters=True, early_v=True)),
-    ("exact quarters, early V, no prefetch", dict(exact_quarters=True, early_v=True, prefetch=False)),
-    ("exact quarters, block_n 64, 1536 programs", dict(exact_quarters=True, block_n=64, min_programs=1536)),
-    ("exact quarters, block_n 64, early V, 1536 programs", dict(exact_quarters=True, block_n=64, early_v=True,
-                                                               min_programs=1536)),
+    ("1408 programs, merge cols 64", dict(min_programs=1408, merge_cols=64)),
+    ("block_n 64, 1536 programs", dict(block_n=64, min_programs=1536)),
 ]
-"""``--variants --recent 256`` (the window the SGLang runs use: ``sink + recent`` exact rows per sequence): the
-exact split by head-dim quarters (fewer registers, so more resident split programs), with more INT2 splits at small
-batches, the merge over 64 columns, early value loads (room for them now), the K/V write with two warps, and
-64-token tiles (168 registers with the exact quarters against 235 without: 12 resident programs per SM). The set
-before (the software-pipelined loop, 64-token tiles, cp.async stages, programmatic dependent launch: RESULTS.md,
-commit fd2b998) measured slower."""
-STEP_VARIANTS_L2 = [
-    ("default", {}),
-    ("L2 prefetch, next tile", dict(l2_ahead=1)),
-    ("L2 prefetch, two tiles ahead", dict(l2_ahead=2)),
-    ("L2 prefetch, two tiles ahead, exact quarters", dict(l2_ahead=2, exact_quarters=True)),
-]
-"""``--variants --l2``: the split loop asking the L2 for the code words, scales and zeros of the tile one or two
-iterations ahead (``prefetch.global.L2``: bytes in flight that hold no registers), against the default."""
+"""``--variants --recent 256`` (the window the SGLang runs use: ``sink + recent`` exact rows per sequence): more
+INT2 splits at small batches, 16-row exact tiles over five programs, the merge over 64 columns, the K/V write with two
+warps, and 64-token tiles (the Triton split kernel)."""
 _WRITE_ALL_ROWS = dict(block_n=1, rot_precision="fma", num_warps=4, rot_rows=128)
-STEP_VARIANTS_WRITE_PEEL = [
+STEP_VARIANTS_WRITE = [
     ("default", {}),
-    ("peel", dict(peel=True)),
     ("write 4 warps, all rotation rows at once", dict(write_tuning=_WRITE_ALL_ROWS)),
     ("write 8 warps, all rotation rows at once", dict(write_tuning={**_WRITE_ALL_ROWS, "num_warps": 8})),
-    ("peel, write 4 warps all rows", dict(peel=True, write_tuning=_WRITE_ALL_ROWS)),
-    ("merge chunk 128", dict(merge_chunk=128)),
-    ("peel, write 4 warps all rows, merge chunk 128", dict(peel=True, write_tuning=_WRITE_ALL_ROWS,
-                                                            merge_chunk=128)),
+    ("merge chunk 256 (one step at 131-132 partials, 8 warps)", dict(merge_chunk=256)),
 ]
-"""``--variants --set write-peel``: the split loop's whole tiles without token masks (``peel``), the step's K/V
-write (and query rotation) loading its whole rotation at once with four or eight warps per program instead of 32
-rows at a time with one (in SGLang the rotations arrive from HBM: ~14 µs per layer at bs1/100k against ~6 in a
-one-layer replay), and the merge reading 128 partials per step."""
+"""``--variants --set write``: the step's K/V write (and query rotation) loading its whole rotation at once with four
+or eight warps per program (in SGLang the rotations arrive from HBM), and the merge reading up to 256 partials in one
+step with 8 warps against the default's 128."""
 STEP_VARIANTS_ONE_WAVE = [
     ("default", {}),
     ("1040 programs", dict(min_programs=1040)),
@@ -243,8 +231,7 @@ STEP_VARIANTS_ONE_WAVE = [
 """``--variants --set one-wave``: at bs1/100k the 128 default splits of 779 INT2 tiles run 7 tiles each (112 of them
 busy); 130 splits run 6, and 8 x 130 INT2 programs plus 2 exact programs per head fill the 1056 resident one-warp
 programs (8 per SM at 233 registers on 132 SMs) exactly; with 3 exact programs per head the last 8 wait for the
-first slots to free (the last INT2 split of each head runs 5 tiles). The set's first run (commit f20c670) had
-"exact splits 2" alone in the middle row (level at 100k, 2 µs slower at 8k and 32k)."""
+first slots to free (the last INT2 split of each head runs 5 tiles)."""
 STEP_VARIANTS_BALANCE = [
     ("exact programs fixed (4 per head)", dict(balance=False)),
     ("default (balanced: 40 exact rows per INT2 tile, >= 80)", {}),
@@ -254,45 +241,24 @@ STEP_VARIANTS_BALANCE = [
 ]
 """``--variants --set balance``: exact programs per sequence from the context (``DecodePlan(balance=True)``, the
 default: at bs1/100k two exact programs, whose INT2 splits take 130 of the 132 programs per head, six tiles each)
-against four for every sequence, and the balance rule's exact rows per program per INT2 tile and floor. Its first
-run (commit 0c8db62, RESULTS.md) timed the rule at 64 rows per tile (one exact program at 100k, the longest) and
-16-row exact tiles (197 registers under Triton 3.6, 10 one-warp programs per SM, not the 12 hoped for; 1.3-1.4x
-slower at bs1/100k with 128 or 196 splits)."""
-STEP_VARIANTS_PAIR = [
-    ("merge chunk 256 (one step at 131-132 partials, 8 warps)", dict(merge_chunk=256)),
-    ("default (merge chunk 128)", {}),
-    ("pair (two half tiles side by side)", dict(pair=True)),
-    ("pair, merge chunk 128", dict(pair=True, merge_chunk=128)),
-]
-"""``--variants --set pair``: the split loop taking each 128-token tile as two 64-token halves in the head tile's
-padded columns (``pair``: 1,565 instructions per tile and warp against 1,683 in the sm_90 SASS, 235 registers), and
-the merge reading up to 256 partials in one step with 8 warps (one-sequence batches have 131-132 partials) against
-128 per step. Its run (commit 4505b5b, RESULTS.md) had 256 as the default row and "merge chunk 128" below it: both
-off since (slower, and level)."""
+against four for every sequence, and the balance rule's exact rows per program per INT2 tile and floor."""
 STEP_VARIANTS_ASYNC = [
-    ("default", {}),
-    ("async tiles", dict(async_tiles=True)),
-    ("async tiles, 3 stages", dict(async_tiles=True, num_stages=3)),
-    ("async tiles, no register cap", dict(async_tiles=True, max_registers=0)),
+    ("Triton split kernel", dict(async_tiles=False)),
+    ("default (Gluon split kernel)", {}),
+    ("3 stages", dict(num_stages=3)),
+    ("no register cap", dict(max_registers=0)),
 ]
 """``--variants --set async``: the Gluon split kernel (:mod:`oscar_kernels.decode_async`: the next tile's code words
 copied into shared memory with ``cp.async`` while a tile computes, its scales loaded a tile ahead) against the
 Triton one: two shared-memory stages (one tile in flight) or three, with the default register cap (168 from 2048
-programs on) or none. Its first run (commit 2cb4744) also had 168 registers with 1584 programs at small batches
-(slower at bs1: 43.0 µs at 100k) and read the junk "next" tile past each split's end (2 stages). An ``ncu`` source profile of the Triton kernel (bs1/100k and bs50/100k, H200) put ~30% of the warps'
-stall samples on the two loads each tile waits for (the key words before the scores, the value words after)."""
+programs on) or none."""
 STEP_VARIANTS_INT8 = [
     ("default", {}),
-    ("value offset folded", dict(fold_offset=True)),
     ("int8 scores", dict(int8_scores=True)),
-    ("int8 scores, value offset folded", dict(int8_scores=True, fold_offset=True)),
 ]
-"""``--variants --set int8``: fewer ALU instructions per tile in the Gluon split kernel. ``int8_scores``: the
-group's rotated queries quantized to int8 (one scale), the key codes unpacked four per AND as ``16 c`` and
-multiplied by int8 MMAs (k = 32, half the MMAs), the int32 sums read as floats through a magic starting value;
-``fold_offset``: each value plane's MMA starts from its rescaled sum less the tile's code offset. sm_90 SASS per tile
-and warp: 1,712 instructions (~880 on the ALU pipe) by default, 1,644 with int8 scores, 1,614 with both (one int8
-scale per head, commit a067547; 1,631 with one scale per GQA group, commit 78f4185)."""
+"""``--variants --set int8``: fewer ALU instructions per tile in the Gluon split kernel. ``int8_scores``: each head's
+rotated query quantized to int8, the key codes unpacked four per AND as ``16 c`` and multiplied by int8 MMAs
+(k = 32, half the MMAs), the int32 sums read as floats through a magic starting value."""
 STEP_VARIANTS_INT8_VALUES = [
     ("default", {}),
     ("int8 scores", dict(int8_scores=True)),
@@ -304,9 +270,7 @@ STEP_VARIANTS_INT8_VALUES = [
 ]
 """``--variants --set int8-values``: the value side of the Gluon split kernel on int8 MMAs as well
 (``int8_values``): probabilities rounded to int8 steps per tile and head, value codes regrouped four tokens to a
-register by two PRMTs per 32 codes and unpacked four to an AND, half the value MMAs, no code offset. sm_90 SASS per
-tile and warp (bs50 launch): 1,712 instructions (898 on the ALU pipe) by default, 1,644 (766) with int8 scores,
-1,615 (823) with int8 values, 1,507 (693) with both."""
+register by two PRMTs per 32 codes and unpacked four to an AND, half the value MMAs, no code offset."""
 STEP_VARIANTS_LEAN = [
     ("default", {}),
     ("lean tiles", dict(lean_tiles=True)),
@@ -325,37 +289,45 @@ STEP_VARIANTS_LEAN = [
      dict(int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True, movmatrix=True, split_tokens=4096)),
 ]
 """``--variants --set lean``: fewer instructions per tile around the products. ``lean_tiles`` (same results): the
-key and value scales and zeros widened to fp32 before their layout change (a lane converts its 4 tokens, not the 16
-rows it receives), the token mask folded into the key scale, zero and a per-token additive term instead of a 64-bit
-compare per row and a select per score element, and the tile's token masks as 32-bit compares against the tokens
-left. ``fused_update`` (int8 values): each value plane's accumulator update as two fused multiply-adds.
-``movmatrix``: the probabilities into the value MMA's operand layout by 8x8 warp transposes (head tile padded to 8). sm_90 SASS per tile and warp at the large-batch register cap
-(``benchmarks/sass_count.py --set lean``): 1,740 by default, 1,606 lean, 1,673 movmatrix, 1,555 both; 1,513 with
-int8 scores and values, 1,370 lean, 1,481 fused, 1,350 lean and fused, 1,296 with movmatrix as well (the lean loops
-reload 8-17 spilled values per tile under the 168 cap; the last variant lifts the cap to 192: 1,277 instructions,
-3 reloads, 10 resident warps per SM instead of 12). A split program's prologue and epilogue are ~1,150
-instructions with int8, ~0.8 tile at bs50/100k's 49 splits of ~16 tiles: the 4096-token splits halve their share there (25
-splits), at some load balance."""
-VARIANT_SETS = {"l2": STEP_VARIANTS_L2, "write-peel": STEP_VARIANTS_WRITE_PEEL, "one-wave": STEP_VARIANTS_ONE_WAVE,
-                "balance": STEP_VARIANTS_BALANCE, "pair": STEP_VARIANTS_PAIR, "async": STEP_VARIANTS_ASYNC,
-                "int8": STEP_VARIANTS_INT8, "int8-values": STEP_VARIANTS_INT8_VALUES, "lean": STEP_VARIANTS_LEAN}
+key and value scales and zeros widened to fp32 before their layout change, the token mask folded into the key scale,
+zero and a per-token additive term, and the tile's token masks as 32-bit compares against the tokens left.
+``fused_update`` (int8 values): each value plane's accumulator update as two fused multiply-adds. ``movmatrix``: the
+probabilities into the value MMA's operand layout by 8x8 warp transposes (head tile padded to 8). The instruction
+counts per tile: ``benchmarks/sass_count.py --set lean``."""
+VARIANT_SETS = {"write": STEP_VARIANTS_WRITE, "one-wave": STEP_VARIANTS_ONE_WAVE, "balance": STEP_VARIANTS_BALANCE,
+                "async": STEP_VARIANTS_ASYNC, "int8": STEP_VARIANTS_INT8, "int8-values": STEP_VARIANTS_INT8_VALUES,
+                "lean": STEP_VARIANTS_LEAN}
 """Named ``--set``s of ``--variants`` (timed at the window of ``--recent``, bs16/128k left out). The sets measured
 before ``balance`` became the default (all but ``balance``) ran with three exact programs for every sequence; run
 them with ``balance=False`` added to compare."""
 STEP_VARIANTS = [
     ("query rotation in its own launch", dict(fuse_q_rotation=False)),
     ("default", {}),
-    ("prefetch", dict(prefetch=True)),
-    ("prefetch + early V", dict(prefetch=True, early_v=True)),
     ("merge cols 64", dict(merge_cols=64)),
     ("merge cols 32", dict(merge_cols=32)),
-    ("prefetch, merge cols 32", dict(prefetch=True, merge_cols=32)),
-    ("prefetch, 2048 programs, maxnreg 128", dict(prefetch=True, min_programs=2048, max_registers=128)),
-    ("prefetch, 1536 programs, maxnreg 168", dict(prefetch=True, min_programs=1536, max_registers=168)),
-    ("prefetch, block_n 64", dict(prefetch=True, block_n=64)),
+    ("2048 programs, maxnreg 128", dict(min_programs=2048, max_registers=128)),
+    ("1536 programs, maxnreg 168", dict(min_programs=1536, max_registers=168)),
+    ("block_n 64", dict(block_n=64)),
 ]
-"""``DecodePlan`` keyword arguments timed by ``--variants`` against the defaults (and the step before the query
-rotation moved into the write's launch)."""
+"""``DecodePlan`` variants timed by ``--variants`` against the defaults (and the step before the query rotation
+moved into the write's launch). A variant is one flat dict: :class:`~oscar_kernels.scheme.DecodeOptions` and
+:class:`~oscar_kernels.decode.DecodeLaunch` fields beside ``DecodePlan``'s own keywords (:func:`plan_kwargs`)."""
+_LAUNCH_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeLaunch))
+
+
+def split_knobs(kw: dict) -> tuple[DecodeOptions | None, DecodeLaunch | None, dict]:
+    """A variant's flat keywords -> its :class:`~oscar_kernels.scheme.DecodeOptions` and
+    :class:`~oscar_kernels.decode.DecodeLaunch` (None where it sets no field of one) and the other keywords."""
+    opts = {k: v for k, v in kw.items() if k in DecodeOptions.names()}
+    launch = {k: v for k, v in kw.items() if k in _LAUNCH_FIELDS}
+    rest = {k: v for k, v in kw.items() if k not in opts and k not in launch}
+    return (DecodeOptions(**opts) if opts else None), (DecodeLaunch(**launch) if launch else None), rest
+
+
+def plan_kwargs(kw: dict) -> dict:
+    """A variant's flat keywords -> ``DecodePlan``'s (``options``, ``launch`` and the plan's own)."""
+    options, launch, rest = split_knobs(kw)
+    return {**rest, **({"options": options} if options else {}), **({"launch": launch} if launch else {})}
 
 
 class StepCase:
@@ -376,7 +348,7 @@ class StepCase:
         self.out = torch.empty_like(self.q)
 
     def step(self, **plan_kw):
-        plan = DecodePlan(self.pool, self.bs, self.ctx, q_heads=HQ, **plan_kw)
+        plan = DecodePlan(self.pool, self.bs, self.ctx, q_heads=HQ, **plan_kwargs(plan_kw))
         plan.plan(self.req_to_token, torch.arange(self.bs, device=DEV), torch.full((self.bs,), self.ctx, device=DEV),
                   self.req_to_token[:, self.ctx - 1].contiguous())
 
@@ -427,14 +399,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", action="store_true",
                     help="time a decode step per layer under each DecodePlan variant, append the table, then stop")
     ap.add_argument("--set", choices=sorted(VARIANT_SETS), default=None, dest="variant_set",
-                    help="with --variants: time this named set instead (l2: L2 prefetch of the tiles ahead; "
-                         "write-peel: unmasked whole tiles, the K/V write with its whole rotation at once, the merge "
-                         "chunk; one-wave: split and exact program counts that fill one wave at bs1/100k; "
-                         "balance: exact programs per sequence from the context; pair: two half tiles side by side "
-                         "and the 256-partial merge; async: the Gluon split kernel with its tiles through shared "
-                         "memory by cp.async, two or three stages; int8: its scores from int8 MMAs, its value "
-                         "offset folded into the MMAs)")
-    ap.add_argument("--l2", action="store_true", help="with --variants: the same as --set l2")
+                    help="with --variants: time this named set instead (write: the K/V write with its whole "
+                         "rotation at once, the 256-partial merge; one-wave: split and exact program counts that "
+                         "fill one wave at bs1/100k; balance: exact programs per sequence from the context; async: "
+                         "the Gluon split kernel against the Triton one, two or three stages; int8: its scores from "
+                         "int8 MMAs; int8-values: its value products too; lean: lean tiles, movmatrix, the fused "
+                         "value update)")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,
                     help=f"with --variants: the pools' exact recent window (default {RECENT}; above it "
@@ -463,7 +433,7 @@ def main() -> None:
         merge_table(gen, args.results, commit)
         return
     if args.variants:
-        named = "l2" if args.l2 else args.variant_set
+        named = args.variant_set
         if named or args.recent > RECENT:  # the exact split's variants, where its rows matter: small batches
             variants_table(gen, args.results, commit, VARIANT_SETS[named] if named else STEP_VARIANTS_LONG_RECENT,
                            STEP_SHAPES[:3] + STEP_SHAPES[4:], args.recent)

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def plugin_site(dest: Path, repo: Path = REPO) -> Path:
-    """A folder holding the checkout's ``oscar_cli`` and ``kernels`` (as ``oscar_kernels``) and an
+    """A folder holding the checkout's ``oscar_cli`` and ``kernels/oscar_kernels`` and an
     ``oscar_kv.dist-info`` with the entry points of ``pyproject.toml``: what SGLang's ``load_plugins()`` discovers,
     without the checkout's top-level ``kernels/`` on the path (it would shadow the PyPI package SGLang imports)."""
     import tomllib
@@ -23,7 +23,7 @@ def plugin_site(dest: Path, repo: Path = REPO) -> Path:
     meta = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
     info = dest / f"oscar_kv-{meta['version']}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    for name, target in (("oscar_cli", repo / "oscar_cli"), ("oscar_kernels", repo / "kernels")):
+    for name, target in (("oscar_cli", repo / "oscar_cli"), ("oscar_kernels", repo / "kernels" / "oscar_kernels")):
         link = dest / name
         if link.is_symlink() or link.exists():
             if link.is_symlink() and link.resolve() == target.resolve():

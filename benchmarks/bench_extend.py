@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 from bench_decode import fill_random  # a sibling script: benchmarks/ is sys.path[0]
 from oscar_kernels import ExtendPlan, Int2KVPool, extend_int2
-from oscar_kernels.extend_int2 import dequant_scratch, extend_int2_dequant
+from oscar_kernels.extend import dequant_scratch, extend_int2_dequant
 from oscar_kernels.scheme import QuantScheme
 
 from oscar_cli import code_version

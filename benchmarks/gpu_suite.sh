@@ -122,7 +122,7 @@ for s in $steps; do
     variants:*) run "variants-${s#variants:}" "$STEP_TIMEOUT" python3 benchmarks/bench_decode.py --variants \
                   --set "${s#variants:}" "${C[@]}" ;;
     lean) run lean-tests "$STEP_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rfE \
-            tests/kernels/test_decode_int2.py -k "async_tiles or movmatrix"
+            tests/kernels/test_decode_int2.py -k "async_tiles or movmatrix or options"
           run variants-lean "$STEP_TIMEOUT" python3 benchmarks/bench_decode.py --variants --set lean "${C[@]}" ;;
     extend) run extend "$STEP_TIMEOUT" python3 benchmarks/bench_extend.py --sweep "${C[@]}" ;;
     cache)

@@ -126,6 +126,7 @@ def tile_loop(instrs: list[Instr], labels: dict[int, int]) -> list[Instr]:
 def plan_kernel(tuning: dict, kv_heads: int = 8, gqa: int = 4, d: int = 128):
     """The decode split kernel's :class:`~oscar_kernels.compile_check.Compiled` for a plan with ``tuning``."""
     import torch
+    from bench_decode import plan_kwargs
     from oscar_kernels.compile_check import compile_only
     from oscar_kernels.plan import DecodePlan
     from oscar_kernels.pool import Int2KVPool
@@ -138,7 +139,7 @@ def plan_kernel(tuning: dict, kv_heads: int = 8, gqa: int = 4, d: int = 128):
     r2t = torch.arange(512, dtype=torch.int32).view(2, 256)
     i = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     with compile_only() as compiled:
-        dec = DecodePlan(pool, 2, 256, q_heads=kv_heads * gqa, **tuning)
+        dec = DecodePlan(pool, 2, 256, q_heads=kv_heads * gqa, **plan_kwargs(tuning))
         dec.plan(r2t, i(0, 1), i(201, 135), torch.stack([r2t[0, 200], r2t[1, 134]]))
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (kv_heads * gqa, kv_heads, kv_heads)))
     split = [c for c in compiled if c.name.startswith("_decode_rows")]
@@ -180,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None, help="commit recorded with --results (default: the checkout's)")
     args = ap.parse_args(argv)
     variants: list[tuple[str, dict]] = []
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_decode: the variant sets and keywords
     if args.set is not None:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_decode import VARIANT_SETS
 
         if args.set not in VARIANT_SETS:
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         variants = [("default", {})]
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiler this count reads")
-    from oscar_kernels.decode_int2 import ROWS_MAX_REGISTERS
+    from oscar_kernels.decode import ROWS_MAX_REGISTERS
 
     cap = ROWS_MAX_REGISTERS if args.max_registers is None else args.max_registers
     head = (f"{'variant':<36} {'kernel':<26} {'regs':>4} {'stack':>5} {'total':>6} "

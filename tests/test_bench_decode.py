@@ -22,12 +22,12 @@ def bench(monkeypatch):
 
 def test_each_variant_steps_through_every_layer_and_matches_the_reference(bench):
     case = bench.StepCase(1, 400, 2, torch.Generator().manual_seed(0))
-    picked = bench.STEP_VARIANTS[1:2] + bench.STEP_VARIANTS_LONG_RECENT[1:2] + bench.STEP_VARIANTS_WRITE_PEEL[-1:]
+    picked = bench.STEP_VARIANTS[1:3] + bench.STEP_VARIANTS_LONG_RECENT[2:3] + bench.STEP_VARIANTS_WRITE[-1:]
     for name, kw in picked:
         fn, bound = case.step(**kw)
         case.out.fill_(float("nan"))
         fn()  # every layer; the output is the last layer's
-        plan = bench.DecodePlan(case.pool, 1, 400, q_heads=bench.HQ, **kw)
+        plan = bench.DecodePlan(case.pool, 1, 400, q_heads=bench.HQ, **bench.plan_kwargs(kw))
         plan.plan(case.req_to_token, torch.arange(1), torch.full((1,), 400), case.req_to_token[:, 399].contiguous())
         ref = decode_int2_ref(case.q, case.pool.layer(case.layers - 1), plan.index, plan.sm_scale)
         assert torch.isfinite(case.out).all(), name
@@ -53,10 +53,9 @@ def test_variants_table_has_a_row_per_variant_and_is_appended(bench, tmp_path, m
 
 
 def test_named_variant_sets_are_chosen_by_set(bench):
-    assert bench.parse_args(["--variants", "--set", "write-peel"]).variant_set == "write-peel"
-    assert bench.parse_args(["--variants", "--l2"]).l2 and bench.parse_args([]).variant_set is None
-    assert set(bench.VARIANT_SETS) == {"l2", "write-peel", "one-wave", "balance", "pair", "async", "int8",
-                                        "int8-values", "lean"}
+    assert bench.parse_args(["--variants", "--set", "write"]).variant_set == "write"
+    assert bench.parse_args([]).variant_set is None
+    assert set(bench.VARIANT_SETS) == {"write", "one-wave", "balance", "async", "int8", "int8-values", "lean"}
     assert bench.parse_args(["--variants", "--set", "async"]).variant_set == "async"
     assert bench.parse_args(["--variants", "--set", "lean"]).variant_set == "lean"
     assert all(set(kw) <= {"lean_tiles", "fused_update", "movmatrix", "int8_scores", "int8_values", "max_registers", "split_tokens"}
@@ -64,3 +63,17 @@ def test_named_variant_sets_are_chosen_by_set(bench):
     assert bench.parse_args(["--variants", "--set", "int8"]).variant_set == "int8"
     with pytest.raises(SystemExit):
         bench.parse_args(["--variants", "--set", "nope"])
+
+
+def test_flat_variant_keywords_split_into_options_launch_and_plan_keywords(bench):
+    """A variant's flat dict: DecodeOptions fields into ``options``, DecodeLaunch fields into ``launch``, the rest
+    (DecodePlan's own) as they are; every variant of every set names only keywords DecodePlan takes."""
+    kw = bench.plan_kwargs(dict(int8_scores=True, split_tokens=4096, block_n=64, merge_cols=32, min_programs=8))
+    assert kw == dict(options=bench.DecodeOptions(int8_scores=True, split_tokens=4096),
+                      launch=bench.DecodeLaunch(block_n=64, merge_cols=32), min_programs=8)
+    assert bench.plan_kwargs({}) == {}
+    for variants in [bench.STEP_VARIANTS, bench.STEP_VARIANTS_LONG_RECENT, *bench.VARIANT_SETS.values()]:
+        for _, v in variants:
+            assert set(bench.plan_kwargs(v)) <= {"options", "launch", "min_programs", "exact_splits", "balance",
+                                                 "write_tuning", "fuse_q_rotation", "exact_rows_per_tile",
+                                                 "exact_min_rows"}

@@ -19,7 +19,7 @@ def test_plugin_site_exposes_the_checkout_and_its_entry_point(tmp_path):
     site = boot.plugin_site(tmp_path / "site")
     repo = script.parents[1]
     assert (site / "oscar_cli").resolve() == repo / "oscar_cli"
-    assert (site / "oscar_kernels").resolve() == repo / "kernels"  # as installed: no top-level kernels/ on the path
+    assert (site / "oscar_kernels").resolve() == repo / "kernels" / "oscar_kernels"  # as installed
     (dist,) = list(distributions(path=[str(site)]))
     eps = {(e.group, e.name): e.value for e in dist.entry_points}
     declared = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["entry-points"]

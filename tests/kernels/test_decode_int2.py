@@ -11,6 +11,8 @@ import triton.language as tl
 from int2_cache import DEVICE, ON_GPU, make_cache, rel_err
 from oscar_kernels import (
     DecodeIndex,
+    DecodeLaunch,
+    DecodeOptions,
     Int2Pool,
     LayerCache,
     decode_index,
@@ -20,18 +22,9 @@ from oscar_kernels import (
     default_num_splits,
     split_policy,
 )
-from oscar_kernels.decode_int2 import (
-    EXACT_ROWS_PER_TILE,
-    EXACT_SPLIT_ROWS,
-    VALUE_TILE,
-    balance_count,
-    balance_counts,
-    int8_value_weights,
-    merge_chunk_for,
-    merge_warps,
-    split_count,
-    value_dither,
-)
+from oscar_kernels.decode import VALUE_TILE, int8_value_weights, value_dither
+from oscar_kernels.decode_grid import EXACT_ROWS_PER_TILE, EXACT_SPLIT_ROWS, balance_count, balance_counts, split_count
+from oscar_kernels.decode_merge import merge_chunk_for, merge_warps
 from oscar_kernels.scheme import CUDA_MIN_HEAD_DIM
 
 # interpreter: short ragged sequences (incl. an empty INT2 part and an empty exact part); GPU: long ones
@@ -45,6 +38,7 @@ TOL = dict(atol=5e-2, rtol=5e-2) if ON_GPU else dict(atol=1e-4, rtol=1e-4)
 TOL8V = dict(atol=0.1, rtol=0.05)
 MAX_REL = 1e-2 if ON_GPU else 1e-5
 layout_module = importlib.import_module("oscar_kernels.layout")  # the module, not the package's names
+INT8_SCORES, INT8_VALUES = DecodeOptions(int8_scores=True), DecodeOptions(int8_values=True)
 
 
 def _poisoned_workspace(bsz, hq, d, max_splits):
@@ -54,9 +48,10 @@ def _poisoned_workspace(bsz, hq, d, max_splits):
     return ws
 
 
-# every GQA ratio with both head dims, every (d, group) pair twice (the full product costs twice the interpreter time)
-SHAPES = [(1, 64, "row"), (1, 128, 32), (3, 64, 32), (3, 128, "row"), (4, 64, "row"), (4, 128, 32), (8, 64, 32),
-          (8, 128, "row"), (4, 32, "row"), (2, 32, 16)]
+# every GQA ratio with both head dims and every (d, group) pair (GQA 4 at d = 64 / 128 with row and 32-element groups
+# is every other test's shape); d = 32 is refused on CUDA and checked in the interpreter
+SHAPES = [(1, 64, "row"), (1, 128, 32), (3, 64, 32), (3, 128, "row"), (8, 64, 32), (8, 128, "row"), (4, 32, "row"),
+          (2, 32, 16)]
 
 
 @pytest.mark.parametrize("gqa,d,group", SHAPES)
@@ -112,10 +107,11 @@ def test_decode_split_counts_do_not_change_the_answer(splits):
     torch.testing.assert_close(out, ref, **TOL)
 
 
-@pytest.mark.parametrize("merge_chunk", [1, 4, 32, 128, 256])
+@pytest.mark.parametrize("merge_chunk", [1, 4, 256])
 def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
-    """The merge reading several INT2 partials per step (counts 3, 1, 6 and 2 of a grid of 7: chunks that end past a
-    sequence's count, partials of inactive splits poisoned) gives the reference answer on both paths."""
+    """The merge reading one partial per step, several (counts 3, 1, 6 and 2 of a grid of 7: chunks that end past a
+    sequence's count, partials of inactive splits poisoned) and 256 with 8 warps (the default, 32, is every other
+    test's) gives the reference answer on both paths."""
     gen = torch.Generator().manual_seed(11 + merge_chunk)
     for g in (64, 32):  # the row-scale path (g = d) and the general one
         lists = make_cache(INT2_LENS, BF16_LENS, HKV, 64, g, gen)
@@ -123,70 +119,36 @@ def test_decode_merge_chunks_do_not_change_the_answer(merge_chunk):
         index = lists.index(SPLITS, MAX_SPLITS)
         out = torch.full(q.shape, float("nan"), device=DEVICE)
         decode_int2(q, lists.cache, index, workspace=_poisoned_workspace(q.shape[0], q.shape[1], 64, MAX_SPLITS),
-                    out=out, merge_chunk=merge_chunk)
+                    out=out, launch=DecodeLaunch(merge_chunk=merge_chunk))
         torch.testing.assert_close(out, decode_int2_ref(q, lists.cache, index), **TOL)
     with pytest.raises(ValueError, match="merge_chunk must be a power of two"):
-        decode_int2(q, lists.cache, index, merge_chunk=3)
+        decode_int2(q, lists.cache, index, launch=DecodeLaunch(merge_chunk=3))
 
 
-@pytest.mark.parametrize("knobs", [dict(prefetch=True), dict(early_v=True), dict(prefetch=True, early_v=True),
-                                   dict(merge_cols=32), dict(merge_cols=16, prefetch=True), dict(block_nb=16),
-                                   dict(pipeline=True), dict(pipeline=True, block_n=64, block_nb=16),
-                                   dict(pipeline=True, block_n=16), dict(pdl=True, merge_cols=32),
-                                   dict(pdl=True, pipeline=True, block_n=64), dict(exact_quarters=True),
-                                   dict(exact_quarters=True, block_nb=16),
-                                   dict(exact_quarters=True, block_n=64, early_v=True), dict(l2_ahead=1),
-                                   dict(l2_ahead=2, exact_quarters=True), dict(peel=True),
-                                   dict(peel=True, block_n=64, l2_ahead=1), dict(peel=True, prefetch=False),
-                                   dict(pair=True), dict(pair=True, block_n=32, merge_cols=32),
-                                   dict(pair=True, merge_chunk=256)])
-def test_decode_tuning_knobs_do_not_change_the_answer(knobs):
-    """The row-scale kernel's slot prefetch, early value loads, software pipeline (one and several tiles per
-    split), exact rows by head-dim quarters, L2 prefetch and unmasked whole tiles (``peel``: splits with and without
-    a partial last tile, one with none whole), the merge split over output columns and the exact split's tile give
-    the reference answer (ragged lengths, per-sequence split counts, NaN-poisoned workspace and out); the general
-    path takes the merge and exact-tile knobs too (g = 32). ``pair`` (two half tiles side by side: a split whose
-    second half is empty, one with both halves full, ragged tails) likewise."""
-    gen = torch.Generator().manual_seed(211 + len(knobs) + knobs.get("merge_cols", 0))
+@pytest.mark.parametrize("launch", [DecodeLaunch(merge_cols=32), DecodeLaunch(merge_cols=16, block_nb=16),
+                                    DecodeLaunch(block_n=64), DecodeLaunch(block_n=16, merge_cols=32)],
+                         ids=["merge-cols-32", "merge-cols-16-exact-16", "tiles-64", "tiles-16"])
+def test_decode_launch_knobs_do_not_change_the_answer(launch):
+    """The merge split over output columns, the exact split's tile and the INT2 tile (64 and 16 tokens: several
+    tiles per split, ragged tails) give the reference answer on both paths (ragged lengths, per-sequence split
+    counts, NaN-poisoned workspace and out); on CUDA tiles other than 128 tokens take the Triton row-scale kernel.
+    The general path (g = 32) takes the merge and exact-tile knobs."""
+    gen = torch.Generator().manual_seed(211 + (launch.merge_cols or 0) + (launch.block_n or 0))
     for g in (128, 32):
-        if g == 32 and not set(knobs) <= {"merge_cols", "block_nb"}:
+        if g == 32 and launch.block_n is not None:
             continue
         lists = make_cache(INT2_LENS, BF16_LENS, HKV, 128, g, gen)
         q = (torch.randn(len(INT2_LENS), HKV * 4, 128, generator=gen) * 2).to(DEVICE, torch.bfloat16)
         index = lists.index(SPLITS, MAX_SPLITS)
         out = torch.full(q.shape, float("nan"), device=DEVICE)
         decode_int2(q, lists.cache, index, workspace=_poisoned_workspace(q.shape[0], q.shape[1], 128, MAX_SPLITS),
-                    out=out, **knobs)
+                    out=out, launch=launch)
         ref = decode_int2_ref(q, lists.cache, index)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, ref, **TOL)
         assert rel_err(out, ref) <= MAX_REL
     with pytest.raises(ValueError, match="merge_cols must be a power of two"):
-        decode_int2(q, lists.cache, index, merge_cols=48)
-    with pytest.raises(ValueError, match="l2_ahead must be 0, 1 or 2"):
-        decode_int2(q, lists.cache, index, l2_ahead=3)
-    with pytest.raises(ValueError, match="pass prefetch=True or l2_ahead=2"):
-        decode_int2(q, lists.cache, index, l2_ahead=1, prefetch=False)
-
-
-@pytest.mark.parametrize("gqa", [1, 3, 8])
-def test_decode_pair_over_gqa_ratios(gqa):
-    """``pair`` at GQA ratios whose head tile is 2, 4 (3 heads: one padded column per half) and 8 wide (16 columns
-    paired), against the reference."""
-    gen = torch.Generator().manual_seed(401 + gqa)
-    lists = make_cache(INT2_LENS, BF16_LENS, 2, 128, 128, gen)
-    q = (torch.randn(len(INT2_LENS), 2 * gqa, 128, generator=gen) * 2).to(DEVICE, torch.bfloat16)
-    index = lists.index(SPLITS, MAX_SPLITS)
-    out = torch.full(q.shape, float("nan"), device=DEVICE)
-    decode_int2(q, lists.cache, index, workspace=_poisoned_workspace(q.shape[0], q.shape[1], 128, MAX_SPLITS),
-                out=out, pair=True)
-    ref = decode_int2_ref(q, lists.cache, index)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, ref, **TOL)
-    assert rel_err(out, ref) <= MAX_REL
-    for other in (dict(peel=True), dict(pipeline=True), dict(prefetch=False), dict(l2_ahead=2)):
-        with pytest.raises(ValueError, match="pair runs its own split loop"):
-            decode_int2(q, lists.cache, index, pair=True, **other)
+        decode_int2(q, lists.cache, index, launch=DecodeLaunch(merge_cols=48))
 
 
 @pytest.mark.parametrize("exact_splits", [2, 3, 8])
@@ -204,7 +166,7 @@ def test_decode_exact_rows_shared_by_several_programs(exact_splits):
         ws = decode_workspace(q.shape[0], q.shape[1], 128, MAX_SPLITS, DEVICE, exact_splits)
         for t in ws:
             t.fill_(float("nan"))
-        decode_int2(q, lists.cache, index, workspace=ws, out=out, block_nb=16, **kw)
+        decode_int2(q, lists.cache, index, workspace=ws, out=out, launch=DecodeLaunch(block_nb=16, **kw))
         ref = decode_int2_ref(q, lists.cache, index)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, ref, **TOL)
@@ -236,7 +198,8 @@ def test_decode_per_sequence_exact_counts(path):
             for t in ws:
                 t.fill_(float("nan"))
             out = torch.full(q.shape, float("nan"), device=DEVICE)
-            decode_int2(q, lists.cache, index, workspace=ws, out=out, block_nb=16, row_kernel=path == "row", **kw)
+            decode_int2(q, lists.cache, index, workspace=ws, out=out, row_kernel=path == "row",
+                        launch=DecodeLaunch(block_nb=16, **kw))
             ref = decode_int2_ref(q, lists.cache, index)
             assert torch.isfinite(out).all()
             torch.testing.assert_close(out, ref, **TOL)
@@ -302,8 +265,8 @@ def test_balance_count_twin_matches_torch():
 def test_decode_reads_a_prerotated_query_from_the_workspace():
     """``rotate_q=False``: the attention reads ``q_rot`` as the caller left it (here the reference rotation,
     scaled), so the answer equals the default's; a poisoned ``q_rot`` poisons the output (it really is read)."""
-    from oscar_kernels.decode_int2 import LOG2E
-    from oscar_kernels.quantize_pack import rotate_q_ref
+    from oscar_kernels.decode import LOG2E
+    from oscar_kernels.write import rotate_q_ref
 
     gen = torch.Generator().manual_seed(223)
     d, gqa = 128, 4
@@ -380,47 +343,37 @@ def test_decode_paths_agree(path, monkeypatch):
     q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.bfloat16)
     out = torch.full(q.shape, float("nan"), device=DEVICE)
     index = lists.index(1 if path == "rows-one-split" else SPLITS, MAX_SPLITS)
-    decode_int2(q, lists.cache, index, out=out, row_kernel=path.startswith("rows"), ptx_unpack=path == "general-ptx")
+    decode_int2(q, lists.cache, index, out=out, row_kernel=path.startswith("rows"),
+                launch=DecodeLaunch(ptx_unpack=path == "general-ptx"))
     ref = decode_int2_ref(q, lists.cache, index)
     torch.testing.assert_close(out, ref, **TOL)
     assert rel_err(out, ref) <= MAX_REL
 
 
-@pytest.mark.parametrize("gqa", [1, 8, 16])
-def test_decode_async_movmatrix_at_other_head_tiles(gqa):
-    """``movmatrix`` transposes each 8x8 block of the probabilities: with one query head per KV head (the head tile
-    padded from 1), 8 (no padding) and 16 (two blocks of heads) the Gluon kernel still gives the reference answer,
-    also with int8 scores and values and lean tiles against their definition."""
-    if not ON_GPU:
-        pytest.skip("the Gluon split kernel runs on CUDA only (elsewhere movmatrix has nothing to change)")
-    gen = torch.Generator().manual_seed(gqa)
-    d = 128
-    lists = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen)
-    q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.bfloat16)
-    index = lists.index(SPLITS, MAX_SPLITS)
-    for knobs, want, tol in ((dict(movmatrix=True), decode_int2_ref(q, lists.cache, index), TOL),
-                             (dict(movmatrix=True, lean_tiles=True, int8_scores=True, int8_values=True),
-                              decode_int2_ref(q, lists.cache, index, int8_scores=True, int8_values=True), TOL8V)):
-        out = torch.full(q.shape, float("nan"), device=DEVICE)
-        decode_int2(q, lists.cache, index, out=out, async_tiles=True, **knobs)
-        torch.testing.assert_close(out, want, **tol)
-        assert rel_err(out, want) <= MAX_REL
+GLUON_ONLY = "the interpreter does not run the Gluon split kernel, the one that implements the decode options"
+"""Skip reason of the option tests on a machine without CUDA: there ``decode_int2`` runs the Triton kernel, which
+computes the default numerics whatever the options say, so comparing it with an option's definition would fail and
+comparing it with the default's would test nothing."""
+
+OPTION_CASES = {
+    "int8-scores": DecodeOptions(int8_scores=True),
+    "int8-scores-capped": DecodeOptions(int8_scores=True, max_registers=168),
+    "int8-values": DecodeOptions(int8_values=True),
+    "int8-both-capped": DecodeOptions(int8_scores=True, int8_values=True, max_registers=168),
+    "int8-values-fused": DecodeOptions(int8_values=True, fused_update=True),
+    "lean": DecodeOptions(lean_tiles=True),
+    "movmatrix": DecodeOptions(movmatrix=True),
+    "three-stages": DecodeOptions(num_stages=3),
+    "all-capped": DecodeOptions(int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True,
+                                movmatrix=True, max_registers=168),
+}
+"""Every decode option alone and in the combinations served (int8 scores and values together, under the large-batch
+register cap), against :func:`decode_int2_ref` with the same options."""
 
 
-@pytest.mark.parametrize("layout", ["head-major", "slot-major", "int64"])
-def test_decode_async_tiles(layout, monkeypatch):
-    """``async_tiles`` (the Gluon split kernel: INT2 tiles staged through shared memory one tile ahead) gives the
-    reference answer on ragged lengths (an empty INT2 part, single-tile and many-tile splits, a split count over
-    ``max_splits`` with per-sequence exact programs), pools in both layouts and with 64-bit offsets, poisoned
-    workspace and out, and agrees with the Triton split kernel, also with int8 scores (queries quantized to int8)
-    and the value offset folded into the MMAs, alone and together under the large-batch register cap, and with int8
-    values (alone, and with int8 scores under the cap) against their definitions, and with the lean tile bookkeeping
-    (token mask folded into the key terms), the fused int8-value accumulator update and the probabilities' movmatrix
-    transposes, alone and with int8 scores and values under the cap; where it does not cover the launch (the interpreter, other row-scale variants,
-    d = 64) the Triton kernel runs and the answer is the same."""
-    if layout == "int64":
-        monkeypatch.setattr(layout_module, "OFFSET64", 1)
-    gen = torch.Generator().manual_seed(509)
+def _async_case(layout: str, gen: torch.Generator):
+    """The Gluon kernel's ragged cases: an empty INT2 part, single-tile and many-tile splits, exact rows over three
+    programs, and a split count over ``max_splits`` with per-sequence exact programs."""
     d, gqa = 128, 4
     bf16_lens = [70, 5, 0, 33] if ON_GPU else [40, 9, 0, 3]
     lists = make_cache(INT2_LENS, bf16_lens, HKV, d, d, gen, head_major=layout != "slot-major")
@@ -429,47 +382,93 @@ def test_decode_async_tiles(layout, monkeypatch):
                DecodeIndex(lists.kv_indptr, lists.kv_indices, lists.bf16_indptr, lists.bf16_indices,
                            torch.tensor([9, 1, 4, 2], dtype=torch.int32, device=DEVICE), 3, 3,
                            torch.tensor([1, 3, 2, 1], dtype=torch.int32, device=DEVICE))]
+    return lists, q, indexes
+
+
+def _decode_poisoned(q, lists, index, **kw) -> torch.Tensor:
+    ws = decode_workspace(q.shape[0], q.shape[1], q.shape[2], index.max_splits, DEVICE, index.exact_splits)
+    for t in ws:
+        t.fill_(float("nan"))
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    decode_int2(q, lists.cache, index, workspace=ws, out=out, **kw)
+    assert torch.isfinite(out).all()
+    return out
+
+
+def _tol(options: DecodeOptions) -> dict:
+    # int8 values: the kernel's and the definition's exp differ in the last bits, so a probability on a rounding
+    # boundary may land one int8 step (1/127 of its tile's largest) apart
+    return TOL8V if options.int8_values else TOL
+
+
+@pytest.mark.parametrize("layout", ["head-major", "slot-major", "int64"])
+def test_decode_async_tiles(layout, monkeypatch):
+    """The row-scale path's two split kernels, the Gluon one (``async_tiles``, the default on CUDA: INT2 tiles staged
+    through shared memory one tile ahead) and the Triton one, give the reference answer and agree with each other on
+    ragged lengths (:func:`_async_case`), pools in both layouts and with 64-bit offsets, poisoned workspace and out;
+    on CUDA every option at once (under the register cap) matches its definition in each layout too. Where the Gluon
+    kernel does not cover the launch (the interpreter, d = 64) the Triton kernel runs and the answer is the same."""
+    if layout == "int64":
+        monkeypatch.setattr(layout_module, "OFFSET64", 1)
+    gen = torch.Generator().manual_seed(509)
+    lists, q, indexes = _async_case(layout, gen)
     for index in indexes:
         ref = decode_int2_ref(q, lists.cache, index)
-        refs = {(s8, v8): decode_int2_ref(q, lists.cache, index, int8_scores=s8, int8_values=v8)
-                for s8 in (False, True) for v8 in (False, True)}
-        outs = []
-        for knobs in (dict(async_tiles=True), dict(async_tiles=False), dict(async_tiles=True, num_stages=3),
-                      dict(async_tiles=True, peel=True), dict(async_tiles=True, int8_scores=True),
-                      dict(async_tiles=True, fold_offset=True),
-                      dict(async_tiles=True, int8_scores=True, fold_offset=True, max_registers=168),
-                      dict(async_tiles=True, int8_values=True),
-                      dict(async_tiles=True, int8_scores=True, int8_values=True, max_registers=168),
-                      dict(async_tiles=True, lean_tiles=True),
-                      dict(async_tiles=True, int8_values=True, fused_update=True),
-                      dict(async_tiles=True, int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True,
-                           max_registers=168),
-                      dict(async_tiles=True, movmatrix=True),
-                      dict(async_tiles=True, int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True,
-                           movmatrix=True, max_registers=168)):
-            if not ON_GPU and {"lean_tiles", "fused_update", "movmatrix"} & set(knobs):
-                continue  # Gluon-only knobs: on the CPU the same Triton fallback as the knobs above
-            ws = decode_workspace(q.shape[0], q.shape[1], d, index.max_splits, DEVICE, index.exact_splits)
-            for t in ws:
-                t.fill_(float("nan"))
-            out = torch.full(q.shape, float("nan"), device=DEVICE)
-            decode_int2(q, lists.cache, index, workspace=ws, out=out, **knobs)
-            assert torch.isfinite(out).all()
-            want = refs[(bool(knobs.get("int8_scores")), bool(knobs.get("int8_values")))] if ON_GPU else ref
-            # int8 values: the kernel's and the definition's exp differ in the last bits, so a probability on a
-            # rounding boundary may land one int8 step (1/127 of its tile's largest) apart
-            torch.testing.assert_close(out, want, **(TOL8V if knobs.get("int8_values") else TOL))
+        gluon = _decode_poisoned(q, lists, index, launch=DecodeLaunch(async_tiles=True))
+        plain = _decode_poisoned(q, lists, index, launch=DecodeLaunch(async_tiles=False))
+        for out in (gluon, plain):
+            torch.testing.assert_close(out, ref, **TOL)
+            assert rel_err(out, ref) <= MAX_REL
+        torch.testing.assert_close(gluon, plain, atol=1e-2, rtol=1e-2)
+        if ON_GPU:
+            options = OPTION_CASES["all-capped"]
+            out = _decode_poisoned(q, lists, index, options=options)
+            want = decode_int2_ref(q, lists.cache, index, options=options)
+            torch.testing.assert_close(out, want, **_tol(options))
             assert rel_err(out, want) <= MAX_REL
-            outs.append(out)
-            if knobs in (dict(async_tiles=True, lean_tiles=True), dict(async_tiles=True, movmatrix=True)):
-                torch.testing.assert_close(out, outs[0], atol=1e-4, rtol=1e-4)  # the first knob's arithmetic
-        torch.testing.assert_close(outs[0], outs[1], atol=1e-2, rtol=1e-2)
     small = make_cache(INT2_LENS, BF16_LENS, HKV, 64, 64, gen)
-    q64 = torch.randn(len(INT2_LENS), HKV * gqa, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    q64 = torch.randn(len(INT2_LENS), HKV * 4, 64, generator=gen).to(DEVICE, torch.bfloat16)
     index = small.index(SPLITS, MAX_SPLITS)
-    out = torch.full(q64.shape, float("nan"), device=DEVICE)
-    decode_int2(q64, small.cache, index, out=out, async_tiles=True)
+    out = _decode_poisoned(q64, small, index, launch=DecodeLaunch(async_tiles=True))
     torch.testing.assert_close(out, decode_int2_ref(q64, small.cache, index), **TOL)
+
+
+@pytest.mark.skipif(not ON_GPU, reason=GLUON_ONLY)
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_decode_options_match_their_definition(case):
+    """Each :class:`DecodeOptions` case (:data:`OPTION_CASES`) through the Gluon kernel against
+    ``decode_int2_ref(options=...)`` on the ragged cases of :func:`_async_case`; the options that only change how the
+    answer is computed (lean tiles, movmatrix, three stages) give the default kernel's answer to float rounding."""
+    options = OPTION_CASES[case]
+    gen = torch.Generator().manual_seed(509)
+    lists, q, indexes = _async_case("head-major", gen)
+    for index in indexes:
+        out = _decode_poisoned(q, lists, index, options=options)
+        want = decode_int2_ref(q, lists.cache, index, options=options)
+        torch.testing.assert_close(out, want, **_tol(options))
+        assert rel_err(out, want) <= MAX_REL
+        if options.exact:
+            torch.testing.assert_close(out, _decode_poisoned(q, lists, index), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason=GLUON_ONLY)
+@pytest.mark.parametrize("gqa", [1, 8, 16])
+def test_decode_async_movmatrix_at_other_head_tiles(gqa):
+    """``movmatrix`` transposes each 8x8 block of the probabilities: with one query head per KV head (the head tile
+    padded from 1), 8 (no padding) and 16 (two blocks of heads) the Gluon kernel still gives the reference answer,
+    also with int8 scores and values and lean tiles against their definition."""
+    gen = torch.Generator().manual_seed(gqa)
+    d = 128
+    lists = make_cache(INT2_LENS, BF16_LENS, HKV, d, d, gen)
+    q = torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen).to(DEVICE, torch.bfloat16)
+    index = lists.index(SPLITS, MAX_SPLITS)
+    for options in (DecodeOptions(movmatrix=True),
+                    DecodeOptions(movmatrix=True, lean_tiles=True, int8_scores=True, int8_values=True)):
+        out = torch.full(q.shape, float("nan"), device=DEVICE)
+        decode_int2(q, lists.cache, index, out=out, options=options)
+        want = decode_int2_ref(q, lists.cache, index, options=options)
+        torch.testing.assert_close(out, want, **_tol(options))
+        assert rel_err(out, want) <= MAX_REL
 
 
 def test_decode_ref_int8_scores_rounds_only_the_int2_rows_query():
@@ -485,10 +484,10 @@ def test_decode_ref_int8_scores_rounds_only_the_int2_rows_query():
     grid = torch.randint(-126, 127, (2, 4, 32), generator=gen).float()
     grid[..., 0] = 127
     grid = grid.to(DEVICE)
-    torch.testing.assert_close(decode_int2_ref(grid / 40, cache, index, int8_scores=True),
+    torch.testing.assert_close(decode_int2_ref(grid / 40, cache, index, options=INT8_SCORES),
                                decode_int2_ref(grid / 40, cache, index), atol=1e-5, rtol=1e-5)
     q = torch.randn(2, 4, 32, generator=gen).to(DEVICE)
-    ref, ref8 = decode_int2_ref(q, cache, index), decode_int2_ref(q, cache, index, int8_scores=True)
+    ref, ref8 = decode_int2_ref(q, cache, index), decode_int2_ref(q, cache, index, options=INT8_SCORES)
     assert not torch.equal(ref, ref8)
     torch.testing.assert_close(ref8, ref, atol=0.1, rtol=0.1)
 
@@ -556,15 +555,15 @@ def test_decode_ref_int8_values_changes_only_the_int2_rows_code_terms():
     q0 = torch.zeros(2, 4, 32, device=DEVICE)  # every score 0: one probability for all rows
     flat = Int2Pool(c.v.codes, torch.full_like(c.v.scale, 0.5), c.v.zero, c.v.group_size)
     cache = LayerCache(c.k, flat, c.k_bf16, c.v_bf16, c.rot_k, c.rot_v, c.clip_k, c.clip_v)
-    torch.testing.assert_close(decode_int2_ref(q0, cache, index, int8_values=True), decode_int2_ref(q0, cache, index),
+    torch.testing.assert_close(decode_int2_ref(q0, cache, index, options=INT8_VALUES), decode_int2_ref(q0, cache, index),
                                atol=1e-5, rtol=1e-5)
     q = torch.randn(2, 4, 32, generator=gen).to(DEVICE)
-    ref, ref8 = decode_int2_ref(q, c, index), decode_int2_ref(q, c, index, int8_values=True)
+    ref, ref8 = decode_int2_ref(q, c, index), decode_int2_ref(q, c, index, options=INT8_VALUES)
     assert not torch.equal(ref, ref8)
     assert rel_err(ref8, ref) < 0.05
     grouped = make_cache([20], [2], 2, 32, 16, gen)
     with pytest.raises(ValueError, match="int8_values"):
-        decode_int2_ref(q[:1], grouped.cache, grouped.index(1), int8_values=True)
+        decode_int2_ref(q[:1], grouped.cache, grouped.index(1), options=INT8_VALUES)
 
 
 def test_decode_row_kernel_needs_row_scales():

@@ -9,14 +9,14 @@ import importlib
 import pytest
 import torch
 from int2_cache import DEVICE, ON_GPU, History, design_p_ref, outliers, poison_kv_pool, random_rotation, rel_err
-from oscar_kernels import DecodePlan, ExtendPlan, Int2KVPool, exact_row_ref
+from oscar_kernels import DecodeLaunch, DecodeOptions, DecodePlan, ExtendPlan, Int2KVPool, exact_row_ref
 from oscar_kernels.plan import plan_lists_ref
 from oscar_kernels.scheme import QuantScheme
 
 TOL = dict(atol=5e-2, rtol=5e-2) if ON_GPU else dict(atol=2e-4, rtol=2e-4)
 MAX_REL = 1e-2 if ON_GPU else 2e-5
 # small split knobs so that short interpreted sequences get several INT2 splits (defaults are the measured ones)
-SPLITS = dict(split_tokens=8, min_split_tokens=4, min_programs=1, max_splits=3)
+SPLITS = dict(options=DecodeOptions(split_tokens=8), min_split_tokens=4, min_programs=1, max_splits=3)
 EXTEND_BLOCKS = dict(block_m=64, block_n=16)
 
 
@@ -96,24 +96,23 @@ DECODE_VARIANTS = {
     "fma": dict(write_tuning=dict(rot_precision="fma", block_n=1, num_warps=1)),
     "tf32x3-write": dict(write_tuning={}),
     "unfused": dict(fuse_q_rotation=False),
-    "knobs": dict(prefetch=True, early_v=True, merge_cols=32),
-    "exact-splits": dict(exact_splits=3, block_nb=16),
-    "pipeline": dict(pipeline=True, block_n=64, block_nb=16, exact_splits=2, pdl=True),
-    "exact-quarters": dict(exact_quarters=True, exact_splits=2),
+    "merge-cols": dict(launch=DecodeLaunch(merge_cols=32)),
+    "exact-splits": dict(exact_splits=3, launch=DecodeLaunch(block_nb=16)),
+    "tiles": dict(exact_splits=2, launch=DecodeLaunch(block_n=64, block_nb=16)),
 }
 
 
 @pytest.mark.parametrize("case,write", [(c, "default") for c in range(len(CASES))]
-                         + [(0, "fma"), (1, "tf32x3-write"), (1, "unfused"), (1, "knobs"), (0, "exact-splits"),
-                            (1, "exact-splits"), (2, "pipeline"),
-                            (0, "exact-quarters")])
+                         + [(0, "fma"), (1, "tf32x3-write"), (1, "unfused"), (1, "merge-cols"), (0, "exact-splits"),
+                            (1, "exact-splits"), (1, "tiles"), (2, "tiles")])
 def test_prefill_then_decode_matches_design_p(case, write):
     """One extend over three requests (scattered slots, request order != pool order, left padding), then decode steps
     on the SAME plan buffers with new lengths each step (ring wrap-around included): every output is Design P. The
     queries are rotated in the write's launch by default; "unfused" rotates them in the attention's own launch;
     "fma" / "tf32x3-write" write the decode tokens (and rotate the queries) through the CUDA-core / tensor-core
-    rotation (``write_tuning``); "knobs" turns on the decode kernel's prefetch, early value loads and a merge split
-    over output columns; "exact-splits" shares each sequence's exact rows among three programs."""
+    rotation (``write_tuning``); "merge-cols" splits the merge over output columns; "exact-splits" shares each
+    sequence's exact rows among three programs (16-row tiles); "tiles" runs 64-token INT2 tiles and 16-row exact tiles
+    (on CUDA the row-scale path's Triton kernel)."""
     scheme, hkv, gqa, d, lens, start = CASES[case]
     steps = 3
     eng = Engine(scheme, hkv, gqa, d, reqs=4, max_ctx=max(lens) + steps, seed=10 + case)
@@ -137,10 +136,11 @@ def test_decode_grid_bound_follows_the_batch_size():
     """Default policy: the grid bound is that of a uniform batch of the planned size at max_seq_len, so one long
     sequence gets more splits than a full batch; the flat workspace holds the largest batch's partials; the bs1
     step with its larger bound is still Design P, and so is the full batch after it on the same buffers."""
-    from oscar_kernels.decode_int2 import split_policy
+    from oscar_kernels.decode_grid import split_policy
     eng = Engine(QuantScheme(group=0, sink=2, recent=4), 2, 2, 128, reqs=3, max_ctx=200, seed=17)
     knobs = dict(split_tokens=64, min_split_tokens=16, min_programs=16)
-    dec = DecodePlan(eng.pool, 3, 200, q_heads=eng.hq, balance=False, **knobs)
+    dec = DecodePlan(eng.pool, 3, 200, q_heads=eng.hq, balance=False, options=DecodeOptions(split_tokens=64),
+                     min_split_tokens=16, min_programs=16)
     want = [split_policy(b, 2, 200 - 6, dec.row_kernel, **knobs).max_splits for b in (1, 2, 3)]
     assert [dec.grid_bound(b) for b in (1, 2, 3)] == want and want[0] > want[2]
     assert dec.max_splits == want[0]
@@ -165,14 +165,14 @@ def test_decode_grid_bound_follows_the_batch_size():
 @pytest.mark.parametrize("block_n", [None, 16])
 def test_decode_plan_balances_exact_programs(block_n):
     """``balance`` (the default): the plan's per-sequence INT2 splits and exact programs are
-    :func:`~oscar_kernels.decode_int2.balance_counts` of its lists' lengths, within the same grid and workspace as
+    :func:`~oscar_kernels.decode_grid.balance_counts` of its lists' lengths, within the same grid and workspace as
     without it; the steps stay Design P. With 16-token INT2 tiles the long sequences' splits grow past the policy's
     bound into the programs their single exact program leaves."""
-    from oscar_kernels.decode_int2 import balance_counts, split_policy
+    from oscar_kernels.decode_grid import balance_counts, split_policy
     eng = Engine(QuantScheme(group=0, sink=2, recent=4), 2, 2, 128, reqs=3, max_ctx=200, seed=23)
     knobs = dict(split_tokens=64, min_split_tokens=16, min_programs=8)
-    tuning = {} if block_n is None else dict(block_n=block_n)
-    dec = DecodePlan(eng.pool, 3, 200, q_heads=eng.hq, exact_splits=3, **knobs, **tuning)
+    dec = DecodePlan(eng.pool, 3, 200, q_heads=eng.hq, exact_splits=3, options=DecodeOptions(split_tokens=64),
+                     min_split_tokens=16, min_programs=8, launch=DecodeLaunch(block_n=block_n))
     assert dec.balance and dec.int2_block_n() == (block_n or 128)
     lens = [180, 60, 150]
     ext = ExtendPlan(eng.pool, 3, sum(lens), 200, **EXTEND_BLOCKS)
@@ -355,9 +355,9 @@ def test_decode_plan_copies_its_inputs_in_the_lengths_kernel():
     assert b["start"][:3].tolist() == [0, 0, 0] and b["loc"][:3].tolist() == [*live.tolist(), 0]
     ref = plan_lists_ref(eng.req_to_token, i(reqs), i([x - 1 for x in n]), i([1, 1, 1]), i([0, 0, 0]),
                          eng.scheme.sink, eng.scheme.recent, decode=True)
-    assert torch.equal(dec.index.kv_indptr.long(), ref["kv_indptr"].long())
+    assert torch.equal(dec.index.kv_indptr.cpu().long(), ref["kv_indptr"].long())  # the reference is a CPU one
     got = dec.index.kv_indices[: int(ref["kv_indptr"][-1])]
-    assert torch.equal(got.long(), ref["kv_indices"].long())
+    assert torch.equal(got.cpu().long(), ref["kv_indices"].long())
     loc = torch.stack([eng.req_to_token[r, x - 1] for r, x in zip([1, 2], [7, 11], strict=True)])
     dec.plan(eng.req_to_token, i([1, 2]), i([7, 11]), loc, start=i([0, 3]))  # int64, with a start
     assert b["req"][:2].tolist() == [1, 2] and b["c0"][:2].tolist() == [6, 10] and b["start"][:2].tolist() == [0, 3]
@@ -365,7 +365,7 @@ def test_decode_plan_copies_its_inputs_in_the_lengths_kernel():
     ref = plan_lists_ref(eng.req_to_token, i([1, 2]), i([6, 10]), i([1, 1]), i([0, 3]), eng.scheme.sink,
                          eng.scheme.recent, decode=True)
     for name in ("kv_indptr", "bf16_indptr"):
-        assert torch.equal(getattr(dec.index, name).long(), ref[name].long())
+        assert torch.equal(getattr(dec.index, name).cpu().long(), ref[name].long())
     with pytest.raises(ValueError, match="out_cache_loc"):
         dec.plan(eng.req_to_token, i([0]), i([3]), i([4, 5]))
 
@@ -379,7 +379,8 @@ def test_decode_run_cuda_graph_replay_over_changing_lengths():
     reqs, lens, start = [2, 0, 1], [300, 17, 520], [0, 3, 0]
     ext = ExtendPlan(eng.pool, 3, sum(lens), 600)
     eng.extend(ext, reqs, [0, 0, 0], lens, start)
-    dec = DecodePlan(eng.pool, 3, 600, q_heads=eng.hq, max_splits=4, split_tokens=64, min_split_tokens=32)
+    dec = DecodePlan(eng.pool, 3, 600, q_heads=eng.hq, max_splits=4, options=DecodeOptions(split_tokens=64),
+                     min_split_tokens=32)
     i = lambda x: torch.tensor(x, device=DEVICE)  # noqa: E731
     q = torch.zeros(3, eng.hq, 128, device=DEVICE, dtype=torch.bfloat16)
     k = torch.zeros(3, 2, 128, device=DEVICE, dtype=torch.bfloat16)

@@ -26,6 +26,11 @@ def _nan_equal(a, b):
 
 
 def test_write_matches_the_reference_with_per_head_clips():
+    """One write of 11 tokens (per-head clip ratios for K, one per layer for V) against ``quantize_pack_ref``: INT2
+    codes at scattered slots, exact rows at their rows. The exact rows are distinct, as a plan's are (a write's rows
+    race where two tokens share one: on a GPU either token's row may land, in the kernel and in torch's reference
+    alike; this test once wrote positions 5 and 9, 6 and 10 of one request to the same ring rows and failed or passed
+    by the order in which the GPU retired the stores)."""
     gen = torch.Generator().manual_seed(1)
     clip_k = torch.tensor([[0.9, 0.7], [1.0, 0.6]])
     clip_v = torch.tensor([[0.8], [0.95]])  # one ratio per layer, expanded to the KV heads
@@ -36,8 +41,10 @@ def test_write_matches_the_reference_with_per_head_clips():
     k = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
     v = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
     loc = torch.randperm(40, generator=gen)[:n].to(DEVICE)
-    rows = pool.exact_rows(torch.tensor([1] * n), torch.arange(n), 0).to(DEVICE)  # request 1, positions 0..10
+    # request 1's sinks and ring (positions 0-5), request 2's sinks and three ring positions: 11 distinct rows
+    rows = pool.exact_rows(torch.tensor([1] * 6 + [2] * 5), torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 7, 8, 9])).to(DEVICE)
     rows[2:5] = -1
+    assert rows[rows >= 0].unique().numel() == n - 3
     want = {name: t.clone() for name, t in (("kc", c.k.codes), ("ks", c.k.scale), ("kz", c.k.zero),
                                             ("vc", c.v.codes), ("vs", c.v.scale), ("vz", c.v.zero),
                                             ("kb", c.k_bf16), ("vb", c.v_bf16))}

@@ -64,9 +64,13 @@ def test_ref_error_bound(g):
     assert (s / 2 < (hi - lo) / 5).all()  # the bound is not vacuous
 
 
-@pytest.mark.parametrize("d", [32, 64, 128])
-@pytest.mark.parametrize("group", ["row", 32])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+# every head dim with both groups, each head dim and each group with both input dtypes (not the full product: on a GPU
+# every case compiles its own kernel)
+PREROTATED = [(32, "row", torch.bfloat16), (32, 32, torch.float32), (64, "row", torch.float32),
+              (64, 32, torch.bfloat16), (128, "row", torch.bfloat16), (128, 32, torch.float32)]
+
+
+@pytest.mark.parametrize("d,group,dtype", PREROTATED)
 def test_kernel_prerotated_is_bit_exact(d, group, dtype):
     g = d if group == "row" else group
     gen = torch.Generator().manual_seed(d * 7 + g)
@@ -86,13 +90,14 @@ def test_kernel_prerotated_is_bit_exact(d, group, dtype):
 
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("group", ["row", 32])
-@pytest.mark.parametrize("shared_rot", [False, True])
 @pytest.mark.parametrize("path", ["dot", "fma", "fma-all-rows"])
-def test_kernel_fused_rotation(d, group, shared_rot, path):
+def test_kernel_fused_rotation(d, group, path):
     """Fused rotation, through tensor-core dots or (``rot_precision="fma"``, few tokens per program) CUDA-core
     multiply-adds, 32 rows of the rotation per step or (``rot_rows=0``, four warps) all of them at once at these
-    head dims: fp32 sums in another order, so a rare code may move by one at a rounding boundary."""
+    head dims: fp32 sums in another order, so a rare code may move by one at a rounding boundary. One rotation shared
+    by the heads or one per head, alternating so that every head dim, group and path meets both."""
     g = d if group == "row" else group
+    shared_rot = (d // 32 + (group == "row") + ["dot", "fma", "fma-all-rows"].index(path)) % 2 == 1
     gen = torch.Generator().manual_seed(d * 3 + g + shared_rot)
     hkv, slots = 4, N_TOK + 5
     x_full = _x(N_TOK, 2 * hkv, d, gen, torch.float16)
@@ -267,7 +272,7 @@ def test_kv_write_rotates_the_queries_in_the_same_launch(case):
     V compile apart, the queries ride on the K launch; "shared-rot": one rotation for every head; "all-rows": the
     whole rotation loaded at once by four warps per program)."""
     from oscar_kernels import quantize_pack_kv
-    from oscar_kernels.quantize_pack import rotate_q_ref
+    from oscar_kernels.write import rotate_q_ref
 
     d, hkv, gqa, g = 64, 2, 3, 64
     gen = torch.Generator().manual_seed(131 + len(case))
@@ -304,7 +309,7 @@ def test_kv_write_rotates_the_queries_in_the_same_launch(case):
 def test_fma_rotation_rows_per_step_keep_128_elements_per_thread():
     """``rot_rows=0``: all of R in one step at d <= 128 with four warps, 32 rows with one (the old default), fewer
     rows a step at d = 256 rather than 512 rotation registers per thread."""
-    from oscar_kernels.quantize_pack import fma_rot_rows
+    from oscar_kernels.write import fma_rot_rows
 
     assert [fma_rot_rows(d, 4) for d in (32, 64, 128, 256)] == [32, 64, 128, 64]
     assert fma_rot_rows(128, 1) == 32 and fma_rot_rows(128, 8) == 128 and fma_rot_rows(256, 8) == 128

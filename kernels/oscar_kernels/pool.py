@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from .layout import DEFAULT_CLIP_RATIO, Int2Pool, LayerCache, exact_row_ref
-from .quantize_pack import quantize_pack_kv
 from .scheme import QuantScheme, SchemeError
+from .write import quantize_pack_kv
 
 
 def _clips(clip, num_layers: int, kv_heads: int, device) -> torch.Tensor:
@@ -124,12 +124,13 @@ class Int2KVPool:
         Args:
             loc: int32/int64 ``[N]`` INT2 slot of each token.
             k, v: bf16/fp16/fp32 ``[N, Hkv, d]`` un-rotated keys and values.
-            bf16_loc: optional int32/int64 ``[N]``: also store the rotated bf16 row at this exact row (``-1``: not).
+            bf16_loc: optional int32/int64 ``[N]``: also store the rotated bf16 row at this exact row (``-1``: not;
+                distinct rows otherwise: two tokens of one write aimed at one row race on a GPU).
             bf16_out: where ``bf16_loc`` points (default the layer's exact regions ``(k_bf16, v_bf16)``; a plan
                 passes its own scratch to get the chunk's rotated rows).
             q, q_out, q_scale: optional queries ``[N, Hq, d]`` of the same tokens, rotated by the layer's ``rot_k``
                 and scaled into fp32 ``q_out`` in the same launch (what a decode step's attention reads).
-            **tuning: launch parameters of :func:`~oscar_kernels.quantize_pack.quantize_pack_kv` (``block_n``,
+            **tuning: launch parameters of :func:`~oscar_kernels.write.quantize_pack_kv` (``block_n``,
                 ``rot_precision``, ``num_warps``).
         """
         c = self._layers[layer]
@@ -144,7 +145,7 @@ class Int2KVPool:
     def write_exact(self, layer: int, bf16_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     rotated: bool = False) -> None:
         """Store exact rows only (no INT2 store): ``k``/``v`` ``[N, Hkv, d]`` (un-rotated, or rotated already with
-        ``rotated``) at rows ``bf16_loc`` int32/int64 ``[N]`` (``-1``: skip)."""
+        ``rotated``) at rows ``bf16_loc`` int32/int64 ``[N]`` (``-1``: skip; distinct rows otherwise)."""
         c = self._layers[layer]
         quantize_pack_kv(k, v, None if rotated else c.rot_k, None if rotated else c.rot_v, None, None, None, None,
                          None, self.group_size, bf16_out=(c.k_bf16, c.v_bf16), bf16_loc=bf16_loc)

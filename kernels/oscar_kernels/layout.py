@@ -58,7 +58,7 @@ DEFAULT_CLIP_RATIO = 1.0
 """Plain min/max range; fitted recipes pass their per-layer, per-KV-head ratios (separate for K and V)."""
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     """True under ``TRITON_INTERPRET=1`` (kernels run on the CPU; every ``tl.dot`` is fp32, no PTX)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -70,13 +70,13 @@ launched, so the launchers pick the code a CUDA tensor would get."""
 
 def launchable(device: torch.device | str) -> bool:
     """Whether kernels can run over tensors on ``device``: a CUDA device, or any under the interpreter."""
-    return torch.device(device).type == "cuda" or _interpreting()
+    return torch.device(device).type == "cuda" or interpreting()
 
 
 def gpu_codegen(t: torch.Tensor) -> bool:
     """Whether a launch over ``t`` compiles the GPU variants (bf16/fp16 tensor-core dots, PTX unpacks): on a CUDA
     tensor, or in a compile-only check; never under the interpreter."""
-    return not _interpreting() and (t.device.type == "cuda" or COMPILE_ONLY)
+    return not interpreting() and (t.device.type == "cuda" or COMPILE_ONLY)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ A batch is described as the serving engine holds it (SGLang's ``ForwardBatch``):
 sequence, which also owns exact region ``req`` of the :class:`~oscar_kernels.pool.Int2KVPool`), lengths, the slots
 of the new tokens and, under left padding, ``start`` (position of each sequence's first real token; default 0).
 With ``sink_end = start + sink``, a chunk of new tokens at positions ``[c0, c1)`` (decode: ``c0 = n - 1``,
-``c1 = n``) reads, per Design P (see :mod:`oscar_kernels.extend_int2`):
+``c1 = n``) reads, per Design P (see :mod:`oscar_kernels.extend`):
 
 * INT2 slots of positions ``[sink_end, max(sink_end, c1 - recent))``;
 * exact rows of the sinks ``[start, min(sink_end, c_end))`` and of the ring ``[max(sink_end, c0 + 1 - recent),
@@ -33,24 +33,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_int2 import (
-    DEFAULT_BLOCK_N as DECODE_GENERAL_BLOCK_N,
-)
-from .decode_int2 import (
+from .decode import DEFAULT_BLOCK_N as DECODE_GENERAL_BLOCK_N
+from .decode import LOG2E, ROWS_BLOCK_N, DecodeLaunch, decode_int2
+from .decode_grid import (
     EXACT_BALANCE,
     EXACT_ROWS_PER_TILE,
     EXACT_SPLIT_ROWS,
-    LOG2E,
     MIN_SPLIT_TOKENS,
-    ROWS_BLOCK_N,
     DecodeIndex,
     balance_count,
-    decode_int2,
     row_path,
     split_count,
     split_policy,
 )
-from .extend_int2 import (
+from .extend import (
     DEFAULT_BLOCK_M,
     DEFAULT_BLOCK_N,
     DEQUANT_SCRATCH_BYTES,
@@ -61,7 +57,8 @@ from .extend_int2 import (
 )
 from .layout import exact_row, exact_row_ref
 from .pool import Int2KVPool
-from .quantize_pack import DECODE_WRITE
+from .scheme import DecodeOptions
+from .write import DECODE_WRITE
 
 FILL_BLOCK = 512
 """Positions per step of ``_plan_fill_kernel``'s loops (the block of SGLang's ``create_flashinfer_kv_indices_triton``;
@@ -283,49 +280,55 @@ class DecodePlan(_Plan):
         pool: the :class:`~oscar_kernels.pool.Int2KVPool` the steps read and write.
         max_batch, max_seq_len: capacity.
         max_splits: the INT2 split bound of every batch's grid. Default: per batch size, the bound of a batch of
-            ``B`` sequences is :func:`~oscar_kernels.decode_int2.split_policy` for a uniform ``B``-sequence batch at
+            ``B`` sequences is :func:`~oscar_kernels.decode_grid.split_policy` for a uniform ``B``-sequence batch at
             ``max_seq_len`` (the measured defaults' counts at that bound), so a lone long sequence gets the splits
             that fill the GPU (128 at 128k on Qwen3-8B shapes) while a full batch keeps its own (64). Either way the
             bound is constant per batch size, so a CUDA graph captured for ``B`` replays with any lengths.
         q_heads: query heads (sets the workspace).
         sm_scale: softmax scale (default ``1/sqrt(d)``).
-        split_tokens, min_programs, min_split_tokens: the split policy's knobs
-            (:func:`~oscar_kernels.decode_int2.split_policy`; defaults are the measured ones).
+        options: :class:`~oscar_kernels.scheme.DecodeOptions`, passed to every
+            :func:`~oscar_kernels.decode.decode_int2` launch; its ``split_tokens`` is the split policy's (None: the
+            measured default of the path).
+        row_kernel: the decode path (:func:`~oscar_kernels.decode_grid.row_path`; ``False`` forces the general one).
+        min_programs, min_split_tokens: the split policy's other knobs
+            (:func:`~oscar_kernels.decode_grid.split_policy`; defaults are the measured ones).
         write_tuning: launch parameters of the step's K/V write (``block_n``, ``rot_precision``, ``num_warps`` of
-            :func:`~oscar_kernels.quantize_pack.quantize_pack_kv`; default
-            :data:`~oscar_kernels.quantize_pack.DECODE_WRITE`, the measured fastest for a decode step's rows).
+            :func:`~oscar_kernels.write.quantize_pack_kv`; default
+            :data:`~oscar_kernels.write.DECODE_WRITE`, the measured fastest for a decode step's rows).
         exact_splits: programs sharing each sequence's exact rows (default ``ceil((sink + recent) /
-            EXACT_SPLIT_ROWS)``, see :data:`~oscar_kernels.decode_int2.EXACT_SPLIT_ROWS`); with ``balance``, the
+            EXACT_SPLIT_ROWS)``, see :data:`~oscar_kernels.decode_grid.EXACT_SPLIT_ROWS`); with ``balance``, the
             most any sequence gets.
         balance: per sequence, as many exact programs as its context needs (at most ``exact_splits``) and, for
             sequences whose split count is set by occupancy, the programs left over as INT2 splits
-            (:func:`~oscar_kernels.decode_int2.balance_counts`; default
-            :data:`~oscar_kernels.decode_int2.EXACT_BALANCE`). The grid and workspace are the same either way.
+            (:func:`~oscar_kernels.decode_grid.balance_counts`; default
+            :data:`~oscar_kernels.decode_grid.EXACT_BALANCE`). The grid and workspace are the same either way.
         exact_rows_per_tile, exact_min_rows: the balance rule's exact rows per program per INT2 tile of the longest
-            split, and its floor (defaults :data:`~oscar_kernels.decode_int2.EXACT_ROWS_PER_TILE`,
-            :data:`~oscar_kernels.decode_int2.EXACT_SPLIT_ROWS`); the floor also sets the default ``exact_splits``.
+            split, and its floor (defaults :data:`~oscar_kernels.decode_grid.EXACT_ROWS_PER_TILE`,
+            :data:`~oscar_kernels.decode_grid.EXACT_SPLIT_ROWS`); the floor also sets the default ``exact_splits``.
         fuse_q_rotation: :meth:`run` rotates the queries in the launch of the step's K/V write (one launch per
-            layer fewer; :func:`~oscar_kernels.quantize_pack.quantize_pack_kv` with ``q``) instead of in
-            :func:`~oscar_kernels.decode_int2.decode_int2`'s own query-rotation launch. Default ``True``.
-        pdl: programmatic dependent launch within a layer's step: the write lets the split kernel start early, the
-            split kernel the merge (:func:`~oscar_kernels.decode_int2.decode_int2` ``pdl``). Default ``False``.
-        row_kernel, **tuning: passed to :func:`~oscar_kernels.decode_int2.decode_int2` (``block_n``,
-            ``num_warps``, ...; defaults are the measured ones).
+            layer fewer; :func:`~oscar_kernels.write.quantize_pack_kv` with ``q``) instead of in
+            :func:`~oscar_kernels.decode.decode_int2`'s own query-rotation launch. Default ``True``.
+        launch: :class:`~oscar_kernels.decode.DecodeLaunch`, tiles, warps and merge shape of the decode launches
+            (tests and benchmarks; defaults are the measured ones).
     """
 
     def __init__(self, pool: Int2KVPool, max_batch: int, max_seq_len: int, max_splits: int | None = None, *,
-                 q_heads: int, sm_scale: float | None = None, row_kernel: bool | None = None,
-                 split_tokens: int | None = None, min_programs: int | None = None,
+                 q_heads: int, sm_scale: float | None = None, options: DecodeOptions = DecodeOptions(),
+                 row_kernel: bool | None = None, min_programs: int | None = None,
                  min_split_tokens: int = MIN_SPLIT_TOKENS, write_tuning: dict | None = None,
                  exact_splits: int | None = None, balance: bool = EXACT_BALANCE,
                  exact_rows_per_tile: int = EXACT_ROWS_PER_TILE, exact_min_rows: int = EXACT_SPLIT_ROWS,
-                 fuse_q_rotation: bool = True, pdl: bool = False, **tuning):
+                 fuse_q_rotation: bool = True, launch: DecodeLaunch = DecodeLaunch()):
         super().__init__(pool, max_batch, max_seq_len, max_batch)
         if q_heads % pool.kv_heads:
             raise ValueError(f"q_heads {q_heads} must be a multiple of the pool's KV heads {pool.kv_heads}")
         self.q_heads = q_heads
         self.row_kernel = row_path(pool.layer(0), row_kernel)
-        self._policy_args = dict(min_programs=min_programs, split_tokens=split_tokens,
+        if not isinstance(options, DecodeOptions):
+            raise TypeError(f"options must be a DecodeOptions, got {type(options).__name__}")
+        self.options = options
+        self.launch = launch
+        self._policy_args = dict(min_programs=min_programs, split_tokens=options.split_tokens,
                                  min_split_tokens=min_split_tokens)
         if max_splits is not None and max_splits < 1:
             raise ValueError(f"max_splits must be >= 1, got {max_splits}")
@@ -334,8 +337,6 @@ class DecodePlan(_Plan):
         self.max_splits = max(self._bounds)
         """The largest grid split bound of any batch size (a one-sequence batch's, at the default policy)."""
         self.sm_scale = 1.0 / math.sqrt(pool.head_dim) if sm_scale is None else sm_scale
-        self.tuning = tuning
-        self.pdl = bool(pdl)
         self.write_tuning = dict(DECODE_WRITE if write_tuning is None else write_tuning)
         self.fuse_q_rotation = fuse_q_rotation
         if exact_rows_per_tile < 1 or exact_min_rows < 1:
@@ -370,7 +371,7 @@ class DecodePlan(_Plan):
 
     def int2_block_n(self) -> int:
         """INT2 tokens per tile of the split kernel the steps run (the balance rule counts tiles)."""
-        return self.tuning.get("block_n") or (ROWS_BLOCK_N if self.row_kernel else DECODE_GENERAL_BLOCK_N)
+        return self.launch.block_n or (ROWS_BLOCK_N if self.row_kernel else DECODE_GENERAL_BLOCK_N)
 
     def grid_bound(self, bsz: int) -> int:
         """The split bound (grid and workspace) a batch of ``bsz`` sequences is planned with."""
@@ -434,7 +435,7 @@ class DecodePlan(_Plan):
         if q.shape != (n, self.q_heads, self.pool.head_dim):
             raise ValueError(f"q must be [{n}, {self.q_heads}, {self.pool.head_dim}], got {tuple(q.shape)}")
         self.pool.write(layer, b["loc"][:n], k, v, bf16_loc=b["bf16_loc"][:n], q=q, q_out=self._workspace[2],
-                        q_scale=self.sm_scale * LOG2E, launch_dependents=self.pdl, **self.write_tuning)
+                        q_scale=self.sm_scale * LOG2E, **self.write_tuning)
         return self._decode(layer, q, out, rotate_q=False)
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -445,8 +446,8 @@ class DecodePlan(_Plan):
 
     def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor | None, rotate_q: bool) -> torch.Tensor:
         return decode_int2(q, self.pool.layer(layer), self.index, workspace=self._workspace, out=out,
-                           sm_scale=self.sm_scale, row_kernel=self.row_kernel, rotate_q=rotate_q, pdl=self.pdl,
-                           **self.tuning)
+                           sm_scale=self.sm_scale, options=self.options, rotate_q=rotate_q,
+                           row_kernel=self.row_kernel, launch=self.launch)
 
 
 class ExtendPlan(_Plan):
@@ -458,12 +459,12 @@ class ExtendPlan(_Plan):
     arrays, per-sequence buffers), per-token slots and exact rows ``[max_tokens]``, and bf16 scratch
     ``[max_tokens, Hkv, d]`` for K and V holding the chunk's rotated rows (written by the same ``quantize_pack``
     launch as the INT2 codes, read by the attention, then copied to their exact rows), and the dequantised-prefix
-    scratch (:func:`~oscar_kernels.extend_int2.dequant_scratch`: ``dequant_tokens`` rows of ``dequant_heads`` KV
+    scratch (:func:`~oscar_kernels.extend.dequant_scratch`: ``dequant_tokens`` rows of ``dequant_heads`` KV
     heads, fp16 K / bf16 V).
 
     A batch whose INT2 lists fit the scratch (``int2_tokens <= dequant_tokens``, host ints) runs
-    :func:`~oscar_kernels.extend_int2.extend_int2_dequant`: its INT2 rows dequantised once per layer, then one
-    flash-attention loop; a larger one runs the fused :func:`~oscar_kernels.extend_int2.extend_int2`, which
+    :func:`~oscar_kernels.extend.extend_int2_dequant`: its INT2 rows dequantised once per layer, then one
+    flash-attention loop; a larger one runs the fused :func:`~oscar_kernels.extend.extend_int2`, which
     dequantises each tile in registers once per block of queries. Both compute Design P.
 
     Args:
@@ -471,9 +472,9 @@ class ExtendPlan(_Plan):
         sm_scale: softmax scale (default ``1/sqrt(d)``).
         dequant_tokens: INT2 rows the scratch holds (default ``max_seq_len``: any one sequence; 0: never use it).
         dequant_heads: KV heads per dequantised pass (default: as many as fit ``DEQUANT_SCRATCH_BYTES``).
-        dequant_tuning: tiles of :func:`~oscar_kernels.extend_int2.extend_int2_dequant` (``block_m``, ``block_n``,
+        dequant_tuning: tiles of :func:`~oscar_kernels.extend.extend_int2_dequant` (``block_m``, ``block_n``,
             ``num_warps``, ``num_stages``; defaults ``DEQ_*``).
-        block_m, block_n, **tuning: passed to the fused :func:`~oscar_kernels.extend_int2.extend_int2`.
+        block_m, block_n, **tuning: passed to the fused :func:`~oscar_kernels.extend.extend_int2`.
     """
 
     def __init__(self, pool: Int2KVPool, max_batch: int, max_tokens: int, max_seq_len: int, *,

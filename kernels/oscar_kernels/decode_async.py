@@ -1,9 +1,9 @@
 """The row-scale decode split kernel with its INT2 tiles staged through shared memory by ``cp.async`` (Gluon).
 
-Same grid, lists, partials and math as :func:`oscar_kernels.decode_int2._decode_rows_kernel` (``PREFETCH`` on, the
-other variants off): program ``(b, kvh, split)`` runs INT2 split ``split < n`` or exact program ``split - n < e`` of
-sequence ``b`` (counts from the plan, :func:`~oscar_kernels.decode_int2._split_counts`), and writes one normalised
-partial and its base-2 log-sum-exp per query head of the GQA group.
+Same grid, lists, partials and math as the Triton row-scale kernel of :mod:`oscar_kernels.decode_split`: program
+``(b, kvh, split)`` runs INT2 split ``split < n`` or exact program ``split - n < e`` of sequence ``b`` (counts from
+the plan, :func:`~oscar_kernels.decode_common.split_counts`), and writes one normalised partial and its base-2
+log-sum-exp per query head of the GQA group.
 
 What differs is where each tile's bytes wait. The Triton kernel loads a tile's key words into registers, stores
 them to shared memory for the tensor-core operand layout, then does the same for the value words after the scores:
@@ -13,19 +13,19 @@ with ``cp.async`` while tile ``i`` is computed (``STAGES`` stages of ``2 x BLOCK
 tiles in flight, no registers held), its scales and zeros are loaded into registers one tile ahead, and its slots
 ``STAGES`` tiles ahead. The tile's words reach the ``mma`` operand layout straight from shared memory (``ldmatrix``;
 the value words through a transposed view). The scalar helpers (split counts, list parts, the split's finish) and
-the unpack are the Triton kernel's own ``@triton.jit`` functions.
+the unpack are the Triton kernel's own ``@triton.jit`` functions (:mod:`oscar_kernels.decode_common`).
 
 Written in Gluon (``triton.experimental.gluon``, explicit layouts and shared memory), so it runs on CUDA only and
 only for the shapes it was written for (``d = 128``, 128-token tiles, one warp) and with Triton 3.6's Gluon (the
 H200 image's; later releases renamed its ``cp.async`` API); :func:`usable` says when, and
-:func:`~oscar_kernels.decode_int2.decode_int2` falls back to the Triton kernel otherwise (and under the
-interpreter, which does not run Gluon).
+:func:`~oscar_kernels.decode.decode_int2` falls back to the Triton kernel otherwise (and under the interpreter,
+which does not run Gluon).
 
-``Q8`` (``decode_int2(int8_scores=True)``, off by default) takes the scores from int8 MMAs instead: each head's
-rotated query rounded to int8 (its own scale), the key words' bytes read from the same ring as int8 operands and
-unpacked four codes per AND (``16 c``), k = 32 MMAs (half as many), the int32 sums read as floats through a magic
-starting value. ``FOLD`` (``fold_offset``) starts each value plane's MMA from its rescaled sum less the tile's code
-offset. ``V8`` (``int8_values``) puts the value products on int8 MMAs too (probabilities in int8 steps per tile).
+The :class:`~oscar_kernels.scheme.DecodeOptions` are this kernel's (:func:`launch`). ``Q8`` (``int8_scores``, off
+by default) takes the scores from int8 MMAs instead: each head's rotated query rounded to int8 (its own scale), the
+key words' bytes read from the same ring as int8 operands and unpacked four codes per AND (``16 c``), k = 32 MMAs
+(half as many), the int32 sums read as floats through a magic starting value. ``V8`` (``int8_values``) puts the
+value products on int8 MMAs too (probabilities in int8 steps per tile).
 
 Three more knobs, off by default (``benchmarks/sass_count.py`` counts what each saves): ``LEAN`` (``lean_tiles``)
 does the tile's per-token bookkeeping on the slot vector's side (scales widened before their layout change, the
@@ -40,7 +40,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .decode_int2 import F16_MAGIC, _finish_split, _list_part, _split_counts, _store_planes, _word_planes_magic
+from .decode_common import F16_MAGIC, finish_split, list_part, split_args, split_counts, store_planes, word_planes_magic
+from .scheme import DecodeOptions
 
 HEAD_DIM = gl.constexpr(128)
 """The head dim the kernel's layouts are written for."""
@@ -246,8 +247,8 @@ def _decode_rows_async_kernel(
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     GQA: gl.constexpr, BLOCK_H: gl.constexpr, OFF64: gl.constexpr, PER_SEQ_EXACT: gl.constexpr,
-    STAGES: gl.constexpr, Q8: gl.constexpr, FOLD: gl.constexpr, V8: gl.constexpr, LEAN: gl.constexpr,
-    FUSED: gl.constexpr, MOVM: gl.constexpr,
+    STAGES: gl.constexpr, Q8: gl.constexpr, V8: gl.constexpr, LEAN: gl.constexpr, FUSED: gl.constexpr,
+    MOVM: gl.constexpr,
 ):
     D: gl.constexpr = HEAD_DIM
     W: gl.constexpr = D // 8
@@ -284,13 +285,13 @@ def _decode_rows_async_kernel(
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
-    num_splits, num_exact = _split_counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT)
+    num_splits, num_exact = split_counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT)
     offs_h = gl.arange(0, BLOCK_H, layout=COL)
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
     if split < num_splits:
         # ---------------- INT2 split ----------------
-        kv_start, lo, hi = _list_part(KV_INDPTR, b, split, num_splits, BN)
+        kv_start, lo, hi = list_part(KV_INDPTR, b, split, num_splits, BN)
         offs_t = gl.arange(0, BN, layout=VEC)
         offs_w = gl.arange(0, W, layout=gl.SliceLayout(0, ROWS))
         k_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
@@ -431,7 +432,7 @@ def _decode_rows_async_kernel(
                 else:
                     s = qi.to(gl.float32, bitcast=True) * ksf + (kzf * kz_g - MAGIC_F * ksf)  # s / g
             else:
-                k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes_magic(k_ring.index(stage).load(A_OP))
+                k0, k1, k2, k3, k4, k5, k6, k7 = word_planes_magic(k_ring.index(stage).load(A_OP))
                 qc = mma_v2(k0, q0, s_init)
                 qc = mma_v2(k1, q1, qc)
                 qc = mma_v2(k2, q2, qc)
@@ -512,40 +513,30 @@ def _decode_rows_async_kernel(
                 else:
                     pb = gl.convert_layout(ps, B_OP)
                 al = gl.expand_dims(alpha, 0)
-                v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes_magic(v_ring.index(stage).permute((1, 0)).load(A_OP))
-                if FOLD:  # the tensor cores start each plane from its rescaled sum less this tile's offset
-                    a0 = mma_v2(v0, pb, a0 * al - off_t)
-                    a1 = mma_v2(v1, pb, a1 * al - off_t)
-                    a2 = mma_v2(v2, pb, a2 * al - off_t)
-                    a3 = mma_v2(v3, pb, a3 * al - off_t)
-                    a4 = mma_v2(v4, pb, a4 * al - off_t)
-                    a5 = mma_v2(v5, pb, a5 * al - off_t)
-                    a6 = mma_v2(v6, pb, a6 * al - off_t)
-                    a7 = mma_v2(v7, pb, a7 * al - off_t)
-                else:
-                    zero = gl.zeros([W, BLOCK_H], gl.float32, MMA)
-                    a0 = a0 * al + (mma_v2(v0, pb, zero) - off_t)
-                    a1 = a1 * al + (mma_v2(v1, pb, zero) - off_t)
-                    a2 = a2 * al + (mma_v2(v2, pb, zero) - off_t)
-                    a3 = a3 * al + (mma_v2(v3, pb, zero) - off_t)
-                    a4 = a4 * al + (mma_v2(v4, pb, zero) - off_t)
-                    a5 = a5 * al + (mma_v2(v5, pb, zero) - off_t)
-                    a6 = a6 * al + (mma_v2(v6, pb, zero) - off_t)
-                    a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
+                v0, v1, v2, v3, v4, v5, v6, v7 = word_planes_magic(v_ring.index(stage).permute((1, 0)).load(A_OP))
+                zero = gl.zeros([W, BLOCK_H], gl.float32, MMA)
+                a0 = a0 * al + (mma_v2(v0, pb, zero) - off_t)
+                a1 = a1 * al + (mma_v2(v1, pb, zero) - off_t)
+                a2 = a2 * al + (mma_v2(v2, pb, zero) - off_t)
+                a3 = a3 * al + (mma_v2(v3, pb, zero) - off_t)
+                a4 = a4 * al + (mma_v2(v4, pb, zero) - off_t)
+                a5 = a5 * al + (mma_v2(v5, pb, zero) - off_t)
+                a6 = a6 * al + (mma_v2(v6, pb, zero) - off_t)
+                a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
             stage = (stage + 1) % STAGES
         async_copy.wait_group(0)  # nothing left in flight when the program ends
-        inv_l, lse = _finish_split(m_i, l_i)
+        inv_l, lse = finish_split(m_i, l_i)
         il = gl.expand_dims(inv_l, 0)
         zt = gl.expand_dims(pz * inv_l, 0)
         offs_ow = gl.arange(0, W, layout=ROW)
         o_rows = PART_O + b * stride_pob + gl.expand_dims(heads * stride_poh, 0) + split * stride_pos \
             + 2 * gl.expand_dims(offs_ow, 1)
         mh = gl.expand_dims(mask_h, 0)
-        _store_planes(o_rows, a0, a1, a2, a3, a4, a5, a6, a7, il, zt, mh, D4, VR1, VR2, VR3)
+        store_planes(o_rows, a0, a1, a2, a3, a4, a5, a6, a7, il, zt, mh, D4, VR1, VR2, VR3)
         gl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
     elif split < num_splits + num_exact:
         # ---------------- exact (BF16) program: rows x heads, natural element order ----------------
-        bf_start, bf_lo, bf_hi = _list_part(BF16_INDPTR, b, split - num_splits, num_exact, NB)
+        bf_start, bf_lo, bf_hi = list_part(BF16_INDPTR, b, split - num_splits, num_exact, NB)
         k_tile = gl.allocate_shared_memory(gl.float16, [NB, D], TILE)
         v_tile = gl.allocate_shared_memory(gl.bfloat16, [NB, D], TILE)
         offs_qd = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
@@ -579,8 +570,24 @@ def _decode_rows_async_kernel(
             pv = gl.convert_layout(p.to(gl.bfloat16), B_OP)
             acc = mma_v2(v_tile.permute((1, 0)).load(A_OP), pv, acc * gl.expand_dims(alpha, 0))
             m_i = m_new
-        inv_l, lse = _finish_split(m_i, l_i)
+        inv_l, lse = finish_split(m_i, l_i)
         offs_od = gl.arange(0, D, layout=ROW)
         gl.store(PART_O + b * stride_pob + gl.expand_dims(heads * stride_poh, 0) + split * stride_pos
                  + gl.expand_dims(offs_od, 1), acc * gl.expand_dims(inv_l, 0), mask=gl.expand_dims(mask_h, 0))
         gl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+
+
+def launch(q_rot, cache, index, part_o, part_lse, num_exact, *, block_h: int, options: DecodeOptions,
+           max_registers: int | None) -> None:
+    """One launch of the kernel over ``index``'s grid ``(B, Hkv, parts)``, with the arguments of
+    :func:`~oscar_kernels.decode_common.split_args`, ``block_h`` query-head columns per program (at least 8
+    with ``movmatrix``), the ``options``' numerics and tuning and a register cap (``maxnreg``; None or 0: none)."""
+    bsz, hq, _ = q_rot.shape
+    cap = {"maxnreg": max_registers} if max_registers else {}
+    _decode_rows_async_kernel[(bsz, cache.kv_heads, index.parts)](
+        *split_args(q_rot, cache, index, part_o, part_lse, num_exact, words=True), GQA=hq // cache.kv_heads,
+        BLOCK_H=max(block_h, 8) if options.movmatrix else block_h, OFF64=cache.off64,
+        PER_SEQ_EXACT=index.num_exact is not None, STAGES=options.num_stages or STAGES, Q8=options.int8_scores,
+        V8=options.int8_values, LEAN=options.lean_tiles, FUSED=options.fused_update, MOVM=options.movmatrix,
+        num_warps=1, **cap,
+    )

@@ -40,7 +40,6 @@ from .layout import (
     check_bf16,
     check_clip,
     check_group_size,
-    gpu_codegen,
     pack,
 )
 
@@ -278,16 +277,13 @@ def _quantize_pack_kv_kernel(
     ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
     ROT_FMA: tl.constexpr,
     STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr, KV_PROGRAMS: tl.constexpr,
-    ROTATE_Q: tl.constexpr, GQA: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    ROTATE_Q: tl.constexpr, GQA: tl.constexpr,
 ):
     """K and V of the same tokens in one launch: ``program_id(2)`` 0 writes K, 1 writes V (the two are independent,
     so their programs run side by side instead of one launch after the other). A single write launches it with a
     grid of depth 1 (``KV_PROGRAMS = 1``: the V arguments then repeat the K ones and are never read). With queries to
     rotate (grid depth ``KV_PROGRAMS + GQA``), program ``KV_PROGRAMS + j`` rotates query head ``h * GQA + j`` by
-    ``K_ROT[h]`` into ``Q_OUT``. ``LAUNCH_DEPENDENTS``: the next launch, if programmatic (``launch_pdl``), may start
-    at once (it waits for this one's completion before reading what it writes)."""
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
+    ``K_ROT[h]`` into ``Q_OUT``."""
     if tl.program_id(2) == 0:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC,
                             K_BF16, K_BLOC, K_n_tokens, K_clip_ratio, K_scale_eps, K_stride_xn, K_stride_xh,
@@ -387,7 +383,8 @@ def quantize_pack(
         out_cache_loc: int32/int64 ``[N]`` slot of each new token (distinct slots); unused without ``codes``.
         group_size: ``g`` (default: ``d / scale.shape[-1]``, or ``d`` without codes).
         bf16_out: optional bf16 ``[R, Hkv, d]`` exact rows: row ``bf16_loc[n]`` gets ``bf16(x'[n])``.
-        bf16_loc: int32/int64 ``[N]`` (with ``bf16_out``): target row of each token, ``-1`` = do not store.
+        bf16_loc: int32/int64 ``[N]`` (with ``bf16_out``): target row of each token, ``-1`` = do not store; rows
+            distinct (two tokens of one launch aimed at one row race: which one lands is undefined on a GPU).
         block_n: tokens per program (``DEFAULT_BLOCK_N``).
         rot_precision: how the fused rotation multiplies on GPU: a Triton ``input_precision`` of its tensor-core
             dots (``"tf32x3"``, the default ``DEFAULT_ROT_PRECISION``; ``"tf32"``, ``"ieee"``), or ``"fma"``: fp32
@@ -404,7 +401,7 @@ def quantize_pack(
 
 
 def _launch(shape, ka: list, va: list, meta: dict, block_n: int, num_warps: int, qa: list | None = None,
-            gqa: int = 1, launch_dependents: bool = False) -> None:
+            gqa: int = 1) -> None:
     """One launch over ``[N, Hkv, d]`` rows: K programs, and V programs unless ``va`` is ``ka`` (a single write
     repeats its arguments and gets a grid of depth 1); with ``qa`` (:func:`_q_args`) also the ``gqa`` query heads of
     each KV head, rotated by the K rotation (``gqa`` more programs per block and head)."""
@@ -416,8 +413,7 @@ def _launch(shape, ka: list, va: list, meta: dict, block_n: int, num_warps: int,
             qa, gqa = [ka[0], ka[0], 1.0, 0, 0, 0, 0, 0], 0  # never read
         grid = (triton.cdiv(n, block_n), hkv, kv_programs + gqa)
         _quantize_pack_kv_kernel[grid](*ka, *va, *qa, BLOCK_N=block_n, **meta, KV_PROGRAMS=kv_programs,
-                                       ROTATE_Q=rotate_q, GQA=max(gqa, 1), num_warps=num_warps,
-                                       LAUNCH_DEPENDENTS=launch_dependents and gpu_codegen(ka[0]))
+                                       ROTATE_Q=rotate_q, GQA=max(gqa, 1), num_warps=num_warps)
 
 
 def _q_args(q: torch.Tensor, q_out: torch.Tensor, q_scale: float, k: torch.Tensor, rot_k: torch.Tensor | None) -> \
@@ -486,7 +482,6 @@ def quantize_pack_kv(
     q: torch.Tensor | None = None,
     q_out: torch.Tensor | None = None,
     q_scale: float = 1.0,
-    launch_dependents: bool = False,
     rot_rows: int = DEFAULT_ROT_ROWS,
 ) -> None:
     """:func:`quantize_pack` of the K and the V rows of the same tokens in one launch (grid ``[blocks, Hkv, 2]``).
@@ -500,11 +495,7 @@ def quantize_pack_kv(
     launch also writes ``q_out[n, h] = q[n, h] @ rot_k[h // (Hq / Hkv)] * q_scale`` (fp32 ``[N, Hq, d]``, contiguous
     last dim; grid ``[blocks, Hkv, 2 + Hq / Hkv]``), rotated as the K rows are (``rot_precision``): what a decode
     step's attention reads (:func:`rotate_q_ref` is the definition). A decode step thereby pays one launch for its
-    writes and its query rotation.
-
-    ``launch_dependents``: the launch lets the next one start at once when that one is programmatic
-    (``decode_int2(pdl=True)``, which waits for this launch's completion before reading); not under the
-    interpreter."""
+    writes and its query rotation."""
     if v.shape != k.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     ko, vo = bf16_out if bf16_out is not None else (None, None)
@@ -514,10 +505,10 @@ def quantize_pack_kv(
                           rot_precision, rot_rows, num_warps)
     qa, gqa = _q_args(q, q_out, q_scale, k, rot_k) if q is not None else (None, 1)
     if km == vm:
-        _launch(k.shape, ka, va, km, block_n, num_warps, qa, gqa, launch_dependents)
+        _launch(k.shape, ka, va, km, block_n, num_warps, qa, gqa)
     else:
         _launch(k.shape, ka, ka, km, block_n, num_warps, qa, gqa)
-        _launch(k.shape, va, va, vm, block_n, num_warps, launch_dependents=launch_dependents)
+        _launch(k.shape, va, va, vm, block_n, num_warps)
 
 
 def rotate_q_ref(q: torch.Tensor, rot_k: torch.Tensor, q_scale: float = 1.0) -> torch.Tensor:

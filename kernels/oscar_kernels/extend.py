@@ -52,8 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_int2 import dot_nt, exact_tile, softmax_step
-from .layout import LayerCache, _interpreting, check_index, check_query, check_seq, dequantize_ref, gpu_codegen
+from .decode_common import dot_nt, exact_tile, softmax_step
+from .layout import LayerCache, check_index, check_query, check_seq, dequantize_ref, gpu_codegen, interpreting
 
 DEFAULT_BLOCK_M = 64
 """Rows of the M dimension per program: ``BLOCK_T = DEFAULT_BLOCK_M / GQA_P`` tokens times the padded GQA group
@@ -639,7 +639,7 @@ def dequant_scratch(kv_heads: int, head_dim: int, tokens: int, device: torch.dev
         heads = max(1, min(kv_heads, max_bytes // max(4 * tokens * head_dim, 1)))
     if not 1 <= heads <= kv_heads:
         raise ValueError(f"heads per pass must be in [1, {kv_heads}], got {heads}")
-    kt, vt = (torch.float32, torch.float32) if _interpreting() else (torch.float16, torch.bfloat16)
+    kt, vt = (torch.float32, torch.float32) if interpreting() else (torch.float16, torch.bfloat16)
     return (torch.empty(heads, tokens, head_dim, dtype=kt, device=device),
             torch.empty(heads, tokens, head_dim, dtype=vt, device=device))
 

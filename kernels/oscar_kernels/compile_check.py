@@ -138,69 +138,54 @@ def compile_only(arch: int = 90) -> Iterator[list[Compiled]]:
 
 def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
     """One extend and one decode step of two requests through the pool and plans (every serving kernel), at
-    ``head_dim`` with its row group (``g = d``, the row-scale decode path) and, where ``d >= 64``, ``g = 32``."""
+    ``head_dim`` with its row group (``g = d``, the row-scale decode path) and, where ``d >= 64``, ``g = 32``; then
+    the decode step under each option and launch knob that compiles other code."""
+    from .decode import DecodeLaunch
     from .plan import DecodePlan, ExtendPlan
     from .pool import Int2KVPool
-    from .scheme import QuantScheme
+    from .scheme import DecodeOptions, QuantScheme
 
     d, hq = head_dim, kv_heads * gqa
+    r2t = torch.arange(256, dtype=torch.int32).view(2, 128)
+    i = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+
+    def step(dec: DecodePlan) -> DecodePlan:
+        dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
+        dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        return dec
+
     for g in (d, 32) if d >= 64 else (d,):
         scheme = QuantScheme(group=g, sink=4, recent=8)
         rot = torch.linalg.qr(torch.randn(1, kv_heads, d, d))[0].contiguous()
         pool = Int2KVPool(scheme, 1, kv_heads, d, 256, 2, rot, rot.clone(), clip_k=0.9, clip_v=0.95)
-        r2t = torch.arange(256, dtype=torch.int32).view(2, 128)
-        i = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
         for deq in (None, 0):  # the dequantised-prefix path (the default here), then the fused kernel
             ext = ExtendPlan(pool, 2, 64, 128, dequant_tokens=deq)
             ext.plan(r2t, i(0, 1), i(0, 10), i(40, 24), torch.cat([r2t[0, :40], r2t[1, 10:34]]))
             ext.run(0, *(torch.randn(64, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+
         for row_kernel in (None, False):  # the default path for this group, and the general one (PTX unpacks at g = d)
-            dec = DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel)
-            dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
-            dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+            dec = step(DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel))
         dec.write_tuning = {}  # the write with quantize_pack_kv's own (prefill) parameters
         for chunk in (1, 256):  # the merge's one-partial-per-step loop, and 256 per step with 8 warps
-            dec.tuning = dict(merge_chunk=chunk)
+            dec.launch = DecodeLaunch(merge_chunk=chunk)
             dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
         # the query rotation in its own launch (decode_int2's default, DecodePlan.attend), and exact rows shared by
         # three programs for every sequence (no per-sequence counts: balance off)
-        dec = DecodePlan(pool, 2, 128, q_heads=hq, fuse_q_rotation=False, exact_splits=3, balance=False)
-        dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
-        dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
-        # programmatic dependent launch (grid dependency control in the write, split kernel and merge), the
-        # software-pipelined split loop over 64-token tiles and the exact rows by head-dim quarters
-        dec = DecodePlan(pool, 2, 128, q_heads=hq, pdl=True, pipeline=True, block_n=64, block_nb=16, exact_splits=2,
-                         exact_quarters=True)
-        dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
-        dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
-        # L2 prefetch of the tiles ahead (the PTX prefetch in the plain split loop), one and two tiles ahead
-        for ahead in (1, 2):
-            dec = DecodePlan(pool, 2, 128, q_heads=hq, l2_ahead=ahead)
-            dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
-            dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
-        # 16-row exact tiles (the split kernel's registers with the smaller exact branch)
-        dec = DecodePlan(pool, 2, 128, q_heads=hq, block_nb=16)
-        dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
-        dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
-        # two half tiles side by side in the head tile's padded columns
-        dec = DecodePlan(pool, 2, 128, q_heads=hq, pair=True)
-        dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
-        dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
-        # the Triton split kernel where the Gluon one runs by default (Triton 3.6), the Gluon one with three
-        # shared-memory stages, with int8 scores and the value offset folded, with int8 scores and values, with the
-        # lean tile bookkeeping, with all of int8 scores and values, lean tiles, the fused value update and the
-        # movmatrix transposes, and with the transposes alone
-        for tune in (dict(async_tiles=False), dict(num_stages=3), dict(int8_scores=True, fold_offset=True),
-                     dict(int8_scores=True, int8_values=True), dict(lean_tiles=True),
-                     dict(int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True, movmatrix=True),
-                     dict(movmatrix=True)):
-            dec = DecodePlan(pool, 2, 128, q_heads=hq, **tune)
-            dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
-            dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
-        # whole tiles without token masks (the split loop's peeled tail)
-        dec = DecodePlan(pool, 2, 128, q_heads=hq, peel=True)
-        dec.plan(r2t, i(0, 1), i(41, 35), torch.stack([r2t[0, 40], r2t[1, 34]]))
-        dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        step(DecodePlan(pool, 2, 128, q_heads=hq, fuse_q_rotation=False, exact_splits=3, balance=False))
+        # the Triton split kernel at 64-token INT2 tiles and 16-row exact tiles, at 16-row exact tiles alone, and
+        # where the Gluon one runs by default (Triton 3.6)
+        for launch in (DecodeLaunch(block_n=64, block_nb=16), DecodeLaunch(block_nb=16),
+                       DecodeLaunch(async_tiles=False)):
+            step(DecodePlan(pool, 2, 128, q_heads=hq, exact_splits=2, launch=launch))
+        # the Gluon split kernel with three shared-memory stages, int8 scores, int8 scores and values, the lean tile
+        # bookkeeping, the movmatrix transposes, and all of int8 scores and values, lean tiles, the fused value
+        # update and the transposes
+        for options in (DecodeOptions(num_stages=3), DecodeOptions(int8_scores=True),
+                        DecodeOptions(int8_scores=True, int8_values=True), DecodeOptions(lean_tiles=True),
+                        DecodeOptions(movmatrix=True),
+                        DecodeOptions(int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True,
+                                      movmatrix=True)):
+            step(DecodePlan(pool, 2, 128, q_heads=hq, options=options))
 
 
 def main(argv: list[str] | None = None) -> int:
