@@ -208,11 +208,11 @@ def int8_value_parts(rows: quantizer.QuantizedRows, lq: LayerQuant) -> tuple[tor
 
 
 def _int8_value_weights(s: torch.Tensor, scale: torch.Tensor, m: torch.Tensor, first: int) -> torch.Tensor:
-    """:func:`oscar_kernels.decode_int2.int8_value_weights` over the last axis of scores ``s [..., L]`` (−inf where a
+    """:func:`oscar_kernels.decode.int8_value_weights` over the last axis of scores ``s [..., L]`` (−inf where a
     query does not read the INT2 row), value scales ``scale`` broadcastable to it and row maxima ``m [..., 1]``: the
     INT2 list starts at column ``first`` (tiles of ``VALUE_TILE`` from there); each query's tile maximum and largest
     scale over the rows it reads."""
-    from oscar_kernels.decode_int2 import VALUE_TILE, value_dither
+    from oscar_kernels.decode import VALUE_TILE, value_dither
 
     s, scale = s[..., first:], scale.expand(s.shape)[..., first:]
     n = s.shape[-1]
@@ -237,7 +237,7 @@ def int8_values_attention(
     sink_end: torch.Tensor, k_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`mixed_attention` with the round-tripped value rows read as the decode kernel's ``int8_values`` reads
-    them: each row's code term ``p * scale * (c R_V^T)`` weighed by :func:`oscar_kernels.decode_int2.
+    them: each row's code term ``p * scale * (c R_V^T)`` weighed by :func:`oscar_kernels.decode.
     int8_value_weights` instead (per query and KV head: tiles of 128 INT2 rows from the row's first INT2 position
     ``sink_end[b]``), its zero term ``p * (z 1 R_V^T)`` and the exact rows by the probabilities, the softmax's sum of
     the probabilities. ``v_parts``: :func:`int8_value_parts` of the round trips (``[B, Hkv, L, ...]``). Explicit

@@ -102,12 +102,12 @@ def test_int8_scores_match_a_brute_force_of_the_kernel_definition():
 @pytest.mark.parametrize("int8_scores", [False, True])
 def test_int8_values_match_the_kernel_definition_per_query(int8_scores):
     """With ``int8_values`` each query's INT2 rows (from the first one after the sink, tiles of 128) weigh their
-    value codes by ``oscar_kernels.decode_int2.int8_value_weights`` of their scores and scales, their zeros and the
+    value codes by ``oscar_kernels.decode.int8_value_weights`` of their scores and scales, their zeros and the
     exact rows by the probabilities (the decode kernel's ``int8_values``); with ``int8_scores`` too the scores are
     the int8 ones. Checked per query against that function over more than two tiles, with a left-padded row."""
     import dataclasses
 
-    from oscar_kernels.decode_int2 import int8_value_weights
+    from oscar_kernels.decode import int8_value_weights
 
     from oscar_cli.kvquant import quantize_rows
 
