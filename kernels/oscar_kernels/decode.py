@@ -238,10 +238,10 @@ def int8_value_weights(s: torch.Tensor, scale: torch.Tensor, m: torch.Tensor | f
 def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_scale: float | None = None,
                     options: DecodeOptions = DecodeOptions()) -> torch.Tensor:
     """Plain fp32 torch definition of :func:`decode_int2` (split counts do not change the result); returns fp32
-    ``[B, Hq, d]``. Of the ``options``, ``int8_scores`` and ``int8_values`` change the result (the others only how it
-    is computed). ``int8_scores``: that variant's definition: the INT2 rows' code terms ``scale * (c . q')`` use
-    each head's rotated query rounded to int8 steps of ``max |q'| / 127``; their zero terms ``zero * sum(q')`` and
-    the exact rows' scores use it as is. ``int8_values`` (row scales only): the INT2 rows' value code terms
+    ``[B, Hq, d]``. Of the ``options``, ``int8_scores`` and ``int8_values`` define the result (``fused_update`` rounds
+    within the latter's dithered rounding, the others only change how it is computed). ``int8_scores``: that variant's
+    definition: the INT2 rows' code terms ``scale * (c . q')`` use each head's rotated query rounded to int8 steps of
+    ``max |q'| / 127``; their zero terms ``zero * sum(q')`` and the exact rows' scores use it as is. ``int8_values`` (row scales only): the INT2 rows' value code terms
     ``p * scale * c`` weigh each code by :func:`int8_value_weights` instead (tiles of ``VALUE_TILE`` rows from the
     start of the sequence's INT2 list); their zero terms ``p * zero``, the exact rows and the softmax's sum use the
     probabilities as they are."""
