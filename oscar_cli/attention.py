@@ -3,8 +3,8 @@
 A decoder at query position ``t`` (``n = t + 1`` tokens present) reads, for key position ``j`` of a row whose
 first real token is at ``p`` (left padding):
 
-* the exact K/V when ``j < p + sink`` (the sink) or ``j >= qend(n)`` (the recent window);
-* otherwise the INT2 round trip of the rotated K/V, rotated back (:func:`oscar_cli.methods.roundtrip`),
+* the exact K/V when ``j < p + sink`` (the sink rows) or ``j >= qend(n)`` (the recent rows);
+* otherwise the INT2 round trip of the rotated K/V, rotated back (:func:`oscar_cli.kvquant.roundtrip`),
 
 with ``qstart = min_b (p_b + sink)`` and ``qend(n) = qstart + quantized_count(n, qstart, recent, block)`` — for
 per-token methods simply ``n - recent``. One query therefore sees a mix of exact and round-tripped keys that differs
@@ -13,7 +13,8 @@ with a boolean mask that lets each (query, key) pair see exactly one copy, and r
 (memory ``O(chunk · 2n)`` per head, chunk :data:`QUERY_CHUNK`).
 
 The implementation is registered with transformers as :data:`ATTN_NAME` (``AttentionInterface`` + an eager mask so
-that padding reaches it). Per-layer settings live on the attention modules (:func:`install`). A cache that attends by
+that padding reaches it). Per-layer settings live on the attention modules (:func:`install`;
+:func:`ensure_installed` for a cache that needs the attention but brings its own quantizers). A cache that attends by
 itself (:class:`oscar_cli.cache.OscarCache`) returns a :class:`CachedKV` handle from ``update`` — what attention
 reads — and this function hands the query to it; with any other attention implementation the cache refuses to run.
 """
@@ -61,7 +62,7 @@ def _register() -> None:
 
 def install(model, quants: list[LayerQuant | None] | None, scheme: QuantScheme | None) -> None:
     """Switch ``model`` to decode-equivalent attention with one :class:`LayerQuant` per layer (None = exact), with the
-    sink/recent windows of ``scheme``.
+    sink/recent rows of ``scheme``.
 
     ``quants=None`` leaves every layer exact (the attention is then plain SDPA)."""
     _register()
@@ -81,6 +82,14 @@ def install(model, quants: list[LayerQuant | None] | None, scheme: QuantScheme |
         except Exception:  # noqa: BLE001  (older versions validate names differently)
             pass
     model.config._attn_implementation = ATTN_NAME
+
+
+def ensure_installed(model) -> None:
+    """Make sure ``model`` attends through :data:`ATTN_NAME` (registered in this process): what a cache that attends
+    by itself needs. A model already switched keeps its per-layer settings; any other gets exact layers."""
+    _register()
+    if not is_installed(model):
+        install(model, None, None)
 
 
 def to_bool_mask(mask: torch.Tensor | None, batch: int, q_pos: torch.Tensor, n: int) -> torch.Tensor:
@@ -280,30 +289,31 @@ def is_installed(model) -> bool:
 
 def decode_equivalent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scaling: float,
-    lq: LayerQuant, windows: QuantScheme, q_pos: torch.Tensor | None = None,
+    lq: LayerQuant, scheme: QuantScheme, q_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Teacher-forced decode-equivalent attention over a full exact sequence. q ``[B, Hq, T, d]`` at positions
-    ``q_pos`` (default: the last ``T`` of ``n``); k, v ``[B, Hkv, n, d]``; allowed bool ``[B, 1, T, n]``.
-    Returns ``[B, T, Hq, d]``."""
+    ``q_pos`` (default: the last ``T`` of ``n``); k, v ``[B, Hkv, n, d]``; allowed bool ``[B, 1, T, n]``;
+    ``scheme``: its sink and recent rows stay exact; ``lq.decode``: the int8 numerics emulated. Returns
+    ``[B, T, Hq, d]``."""
     n, T = k.shape[2], q.shape[2]
     if q_pos is None:
         q_pos = torch.arange(n - T, n, device=q.device)
-    sink_end = first_real(allowed) + windows.sink
+    sink_end = first_real(allowed) + scheme.sink
     qstart = int(sink_end.min())
-    qend = qstart + quantized_count(int(q_pos.max()) + 1, qstart, windows.recent, lq.token_block)
+    qend = qstart + quantized_count(int(q_pos.max()) + 1, qstart, scheme.recent, lq.token_block)
     if qend <= qstart:
         return mixed_attention(q, k, v, allowed, scaling)
-    use = rt_mask(q_pos, qstart, qend - qstart, sink_end, qstart, windows.recent, lq.token_block)
-    if lq.int8_values:
+    use = rt_mask(q_pos, qstart, qend - qstart, sink_end, qstart, scheme.recent, lq.token_block)
+    if lq.decode.int8_values:
         v_parts = int8_value_parts(quantize_rows(v[:, :, qstart:qend], lq, "v"), lq)
-        if lq.int8_scores:
+        if lq.decode.int8_scores:
             q8, k8 = int8_query(q, lq.r_k), int8_exact_keys(k)
             k_rt = int8_keys(quantize_rows(k[:, :, qstart:qend], lq, "k"))
             return int8_values_attention(q8, k8, v, allowed, scaling, k_rt, v_parts, use, qstart, sink_end).to(q.dtype)
         k_rt = roundtrip(k[:, :, qstart:qend], lq, "k")
         return int8_values_attention(q, k, v, allowed, scaling, k_rt, v_parts, use, qstart, sink_end)
     v_rt = roundtrip(v[:, :, qstart:qend], lq, "v")
-    if lq.int8_scores:
+    if lq.decode.int8_scores:
         k_rt = int8_keys(quantize_rows(k[:, :, qstart:qend], lq, "k"))
         return mixed_attention(int8_query(q, lq.r_k).to(q.dtype), int8_exact_keys(k), v, allowed, scaling, k_rt,
                                v_rt, use, qstart)
@@ -322,5 +332,5 @@ def oscar_attention(module, query, key, value, attention_mask, scaling=None, dro
     state = getattr(module, _STATE, None)
     if state is None:
         return mixed_attention(query, key, value, allowed, scaling), None
-    lq, windows = state
-    return decode_equivalent(query, key, value, allowed, scaling, lq, windows, q_pos), None
+    lq, scheme = state
+    return decode_equivalent(query, key, value, allowed, scaling, lq, scheme, q_pos), None

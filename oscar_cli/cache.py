@@ -3,7 +3,7 @@
 Per layer and padded position ``j`` (rows left-padded; ``p_b`` = first real token of row ``b``):
 
 * ``head``  — exact (model dtype), positions ``[0, min(hend, tail_start))``, ``hend = max_b p_b + sink``: the sinks;
-* ``codes`` — packed rows (:func:`oscar_cli.methods.quantize_rows`), positions ``[qstart, tail_start)``,
+* ``codes`` — packed rows (:func:`oscar_cli.kvquant.quantize_rows`), positions ``[qstart, tail_start)``,
   ``qstart = min_b p_b + sink``;
 * ``tail``  — exact, positions ``[tail_start, n)``: the last ``recent`` tokens (plus an incomplete KIVI block).
 
@@ -11,7 +11,7 @@ Attention is done by the cache: ``update`` appends the new rows to the tail and 
 :class:`~oscar_cli.attention.CachedKV` handle as keys and values (what attention reads); the registered
 decode-equivalent attention (:mod:`oscar_cli.attention`) hands the query to :meth:`OscarLayer.attend`, which sees the
 padding mask, attends exactly as a decoder would at every new query (so a long prefill is quantized as in serving,
-not "exact prefill, quantize afterwards"), then moves tokens that left the recent window into ``codes``. If the model
+not "exact prefill, quantize afterwards"), then moves tokens that left the recent rows into ``codes``. If the model
 attends with anything else (``sdpa`` after a ``set_attn_implementation``, say), ``update`` refuses with one line
 instead of letting attention silently cover the exact tail only.
 
@@ -19,7 +19,7 @@ Two backends hold the rows. The torch reference (any method: INT4, KIVI, any hea
 keeps ``head``/``codes``/``tail`` as above and dequantizes the codes it reads. The kernel backend
 (:mod:`oscar_cli.cache_kernels`, the default on CUDA for INT2 per-token layers the Triton kernels cover) keeps every
 quantized layer in one :class:`oscar_kernels.Int2KVPool` and attends through the fused plan/run kernels; it computes
-the same attention (Design P windows) up to bf16 rounding of the exact rows.
+the same attention (Design P: position-wise sink/recent rows) up to bf16 rounding of the exact rows.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ class OscarLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, lq: LayerQuant | None, windows: QuantScheme, config, kernel: KernelLayer | None = None):
+    def __init__(self, lq: LayerQuant | None, scheme: QuantScheme, config, kernel: KernelLayer | None = None):
         super().__init__()
-        self.lq, self.windows, self.config, self.kernel = lq, windows, config, kernel
+        self.lq, self.scheme, self.config, self.kernel = lq, scheme, config, kernel
         self.n = 0
         self.ready = False
         self.head_k = self.head_v = None
@@ -116,7 +116,7 @@ class OscarLayer(DynamicLayer):
         return quantize_rows(k, self.lq, "k"), quantize_rows(v, self.lq, "v")
 
     def _first_call(self, allowed: torch.Tensor) -> None:
-        self.sink_end = attn.first_real(allowed) + self.windows.sink
+        self.sink_end = attn.first_real(allowed) + self.scheme.sink
         self.qstart = int(self.sink_end.min())
         self.hend = int(self.sink_end.max())
         self.ready = True
@@ -135,7 +135,7 @@ class OscarLayer(DynamicLayer):
             self._first_call(allowed)
         if self.lq is None:
             return attn.mixed_attention(query, self.keys, self.values, allowed, scaling)
-        lq, w = self.lq, self.windows
+        lq, w, opts = self.lq, self.scheme, self.lq.decode
         qend = self.qstart + quantized_count(n, self.qstart, w.recent, lq.token_block)
         ts = self.tail_start
         # exact rows: the head [0, len_head) and the tail [ts, n); positions in between are read quantized by all rows
@@ -154,8 +154,8 @@ class OscarLayer(DynamicLayer):
         # round trips over [qstart, qend): stored codes, then rows leaving the tail now
         # (int8 scores: the INT2 rows' code and zero parts in the rotated basis, read by the int8-rounded query)
         # (int8 values: the INT2 rows' codes, scales and zeros apart, weighed as the kernel does)
-        keys_of = attn.int8_keys if lq.int8_scores else (lambda rows: dequantize_rows(rows, lq, "k"))
-        values_of = (lambda rows: attn.int8_value_parts(rows, lq)) if lq.int8_values else \
+        keys_of = attn.int8_keys if opts.int8_scores else (lambda rows: dequantize_rows(rows, lq, "k"))
+        values_of = (lambda rows: attn.int8_value_parts(rows, lq)) if opts.int8_values else \
             (lambda rows: (dequantize_rows(rows, lq, "v"),))
         parts_k, parts_v = [], []
         if self.codes_k is not None:
@@ -171,9 +171,9 @@ class OscarLayer(DynamicLayer):
         v_rt = tuple(torch.cat(p, 2) for p in zip(*parts_v, strict=True))
         use = attn.rt_mask(q_pos, self.qstart, qend - self.qstart, self.sink_end, self.qstart, w.recent, lq.token_block)
         q_in = query
-        if lq.int8_scores:
+        if opts.int8_scores:
             q_in, k_ex = attn.int8_query(query, lq.r_k), attn.int8_exact_keys(k_ex)
-        if lq.int8_values:
+        if opts.int8_values:
             out = attn.int8_values_attention(q_in, k_ex, v_ex, allowed, scaling, k_rt, v_rt, use, self.qstart,
                                              self.sink_end, k_pos).to(query.dtype)
         else:
@@ -202,17 +202,15 @@ BACKENDS = ("auto", "reference", "kernels")
 
 
 class OscarCache(Cache):
-    """INT2 (or INT4) KV cache with exact sink and recent windows. Build with :func:`make_cache`.
+    """INT2 (or INT4) KV cache with exact sink and recent rows. Build with :func:`make_cache`.
 
     ``quants``: one :class:`LayerQuant` per layer (None = exact layer); ``scheme``: the quant scheme (its sink and
-    recent windows; the bits and group are the quantizers'). ``backend``: ``auto`` (the kernels on CUDA when every
+    recent rows; the bits and group are the quantizers'). ``backend``: ``auto`` (the kernels on CUDA when every
     quantized layer is one they cover, else the torch reference), ``reference``, or ``kernels`` (refused with one line
     naming the layer and the reason when they do not cover it; on CPU it needs ``TRITON_INTERPRET=1``)."""
 
     def __init__(self, model, quants: list[LayerQuant | None], scheme: QuantScheme, backend: str = "auto"):
-        attn._register()
-        if not attn.is_installed(model):
-            attn.install(model, None, None)
+        attn.ensure_installed(model)
         if backend not in BACKENDS:
             raise OscarError(f"unknown cache backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         dev = next(model.parameters()).device

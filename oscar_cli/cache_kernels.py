@@ -10,9 +10,10 @@ Every row of the batch is one request of the pool: its position ``p`` lives at s
 * each layer's ``attend`` runs ``plan.run``: the new tokens' INT2 codes and exact rows are written (one launch for K
   and V, per-KV-head clip ratios as a device tensor) and the attention reads the pool directly.
 
-The attention is Design P (see :mod:`oscar_kernels.extend_int2`), the same position-wise windows as the reference
-path and as ``oscar eval``'s teacher-forced attention, so both backends give the same outputs up to the kernels'
-bf16 rounding of exact rows. The first real token of each row (left padding) is read from the attention mask once, at
+The attention is Design P (see :mod:`oscar_kernels.extend_int2`): the same position-wise sink/recent rows as the
+reference path and as ``oscar eval``'s teacher-forced attention, so both backends give the same outputs up to the
+kernels' bf16 rounding of exact rows. One :class:`~oscar_kernels.scheme.DecodeOptions` value (the layers'
+``LayerQuant.decode``) goes to the decode plan. The first real token of each row (left padding) is read from the attention mask once, at
 the first call; later steps assume the mask only grows by real tokens (what ``generate`` passes).
 
 The pool grows by doubling its per-row capacity (slots are copied once per doubling, amortised O(1) per token).
@@ -39,9 +40,9 @@ def kernel_ready(lq: LayerQuant | None, scheme: QuantScheme, head_dim: int, devi
         return "per-channel (KIVI) keys"
     if lq.bits != 2:
         return f"{lq.bits}-bit codes"
-    if lq.int8_scores:
+    if lq.decode.int8_scores:
         return "int8 scores (the kernels' prefill path has no int8 variant; the reference attention emulates it)"
-    if lq.int8_values:
+    if lq.decode.int8_values:
         return "int8 values (the kernels' prefill path has no int8 variant; the reference attention emulates it)"
     return scheme.kernel_support(head_dim, device_type)
 
@@ -75,6 +76,10 @@ class KernelState:
     def __init__(self, quants: dict[int, LayerQuant], scheme: QuantScheme, config):
         self.layer_of = {i: j for j, i in enumerate(sorted(quants))}
         self.quants = [quants[i] for i in sorted(quants)]
+        options = {lq.decode for lq in self.quants}
+        if len(options) != 1:
+            raise ValueError(f"one decode plan reads every layer: the layers' decode options must agree, got {options}")
+        self.options = options.pop()
         self.scheme = scheme
         shape = attention_shape(config)
         self.kv_heads, self.q_heads, self.head_dim = shape.n_kv_heads, shape.n_heads, shape.head_dim
@@ -132,7 +137,7 @@ class KernelState:
         if m == 1:
             if self.decode_plan is None:
                 self.decode_plan = DecodePlan(self.pool, b, self.capacity, q_heads=self.q_heads,
-                                              sm_scale=self.scaling)
+                                              sm_scale=self.scaling, options=self.options)
             seq = torch.full((b,), n0 + 1, dtype=torch.int32, device=device)
             loc = self.req_to_token[:, n0]
             self.decode_plan.plan(self.req_to_token, self.rows, seq, loc, start=self.start, max_seq_len=n0 + 1)

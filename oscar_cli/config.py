@@ -15,10 +15,11 @@ from typing import Any
 from oscar_kernels.scheme import QuantScheme, SchemeError
 
 from .errors import OscarError
+from .methods import ROTATIONS, Rotation
 
 __all__ = [
-    "AttentionShape", "CollectConfig", "ConfigError", "EvalConfig", "FIT_METHODS", "FitConfig", "FitMethod",
-    "QuantScheme", "Recipe", "SchemeError", "Threshold", "load_recipe", "parse_layers",
+    "AttentionShape", "CollectConfig", "ConfigError", "EvalConfig", "FitConfig", "QuantScheme", "Recipe",
+    "SchemeError", "Threshold", "load_recipe", "parse_layers",
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -53,7 +54,7 @@ class CollectConfig:
     """Calibration pass: which text, how many tokens, how it is cut.
 
     ``reservoir``: tokens whose q/k/v rows are kept for fitting clip ratios and for ``inspect``.
-    ``skip``: the first positions of every window are left out of the statistics: they are attention sinks with
+    ``skip``: the first positions of every sequence are left out of the statistics: they are attention sinks with
     outlier keys, and every cache configuration keeps at least that many sink tokens in BF16 (the smallest sink
     we ship is 16), so fitting to them would spend the rotation on rows that are never quantized.
     ``checkpoint_every``: batches between store checkpoints (accumulators, reservoir and progress in one
@@ -83,47 +84,14 @@ class CollectConfig:
         return -(-self.tokens // self.seq_len)
 
 
-@dataclass(frozen=True)
-class FitMethod:
-    """How ``oscar fit`` builds R = U·P·H for keys and values.
-
-    ``key_basis``: ``q`` = eigenbasis of C_Q; ``q@k`` = eigenbasis of C_Q anchored on the leading direction of C_K
-    (the keys' shared offset goes to the Hadamard's constant row, where the zero point absorbs it; see
-    ``rotation.anchored_eigh``); ``k`` = eigenbasis of C_K; None = no eigenbasis. ``value_basis``: ``s`` = the
-    score-weighted C_S, ``o`` = the attention-output covariance C_O, ``v`` = C_V. ``use_p``/``use_h``: the
-    bit-reversal placement and the Hadamard; ``random_signs``: the data-free Hadamard's random sign flips."""
-
-    name: str
-    key_basis: str | None
-    value_basis: str | None
-    use_p: bool
-    use_h: bool
-    random_signs: bool
-    help: str
-
-
-FIT_METHODS: dict[str, FitMethod] = {m.name: m for m in [
-    FitMethod("identity", None, None, False, False, False, "no rotation"),
-    FitMethod("hadamard", None, None, False, True, True, "random-sign Hadamard (data-free)"),
-    FitMethod("oscar", "q@k", "s", True, True, False, "U(C_Q anchored on C_K)·P·H keys, U(C_S)·P·H values"),
-    FitMethod("oscar-uh", "q@k", "s", False, True, False, "oscar without the placement P"),
-    FitMethod("oscar-u", "q@k", "s", False, False, False, "oscar eigenbases only (no P, no H)"),
-    FitMethod("oscar-q", "q", "s", True, True, False, "plain U(C_Q)·P·H keys (the reference's basis)"),
-    FitMethod("oscar-out", "q@k", "o", True, True, False, "oscar keys, U(C_O)·P·H values"),
-    FitMethod("kcov", "k", "v", True, True, False, "U(C_K)·P·H keys, U(C_V)·P·H values"),
-    FitMethod("kcov-uh", "k", "v", False, True, False, "kcov without P"),
-    FitMethod("kcov-u", "k", "v", False, False, False, "kcov eigenbases only"),
-]}
-"""Rotation methods of ``oscar fit`` (the one registry; ``fit --method`` help is generated from it)."""
-
-
 def _default_clip_grid() -> tuple[float, ...]:
     return tuple(round(0.50 + 0.025 * i, 3) for i in range(21))
 
 
 @dataclass(frozen=True)
 class FitConfig:
-    """How rotations and clip ratios are fitted from a collected run, and the scheme they are fitted for."""
+    """How rotations and clip ratios are fitted from a collected run, and the scheme they are fitted for.
+    ``method``: the rotation recipe, a :data:`oscar_cli.methods.ROTATIONS` name (``oscar fit --method``)."""
 
     method: str = "oscar"
     layers: str = "all"
@@ -134,14 +102,14 @@ class FitConfig:
     scheme: QuantScheme = field(default_factory=QuantScheme)
 
     def __post_init__(self) -> None:
-        if self.method not in FIT_METHODS:
-            raise ConfigError(f"unknown fit method {self.method!r}; choose one of {', '.join(FIT_METHODS)}")
+        if self.method not in ROTATIONS:
+            raise ConfigError(f"unknown rotation {self.method!r} for fit --method; choose one of {', '.join(ROTATIONS)}")
         if not self.clip_grid or any(not 0 < c <= 1 for c in self.clip_grid):
             raise ConfigError("clip_grid values must lie in (0, 1]")
 
     @property
-    def fit_method(self) -> FitMethod:
-        return FIT_METHODS[self.method]
+    def rotation(self) -> Rotation:
+        return ROTATIONS[self.method]
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:
@@ -194,8 +162,8 @@ def expand_tasks(names) -> list[str]:
 DEFAULT_EVAL_TASKS = (PPL_TASK,)
 DEFAULT_EVAL_METHODS = ("bf16", "int2-naive", "int2-hadamard", "oscar")
 DEFAULT_SEQ_LENGTHS = (1024,)
-DEFAULT_PPL_WINDOWS = 4
-"""Windows per sequence length for ``oscar_ppl`` when no limit is given."""
+DEFAULT_PPL_SEGMENTS = 4
+"""Segments of the text per sequence length for ``oscar_ppl`` when no limit is given."""
 BOUNDS = ("max", "min", "max_ratio", "min_ratio")
 
 

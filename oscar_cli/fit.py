@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import rotation as rot
-from .config import FIT_METHODS, FitConfig
+from .config import FitConfig
+from .methods import Rotation
 from .quantizer import fake_quant
 
 
@@ -118,10 +119,11 @@ def fit_clip(metric, data: LayerData, kind: str, r: torch.Tensor, grid: tuple[fl
     return g[total.argmin()].view(1), curve
 
 
-def method_rotations(data: LayerData, method: str, group: int, per_head: bool) -> tuple[torch.Tensor, ...]:
-    """``(r_k, r_v, eig_k, eig_v)`` for one layer: rotations ``[h, d, d]`` and target eigenvalues ``[h, d]``."""
-    fm = FIT_METHODS[method]
-    kb, vb, use_p, use_h, signs = fm.key_basis, fm.value_basis, fm.use_p, fm.use_h, fm.random_signs
+def fit_rotations(data: LayerData, rotation: Rotation, group: int, per_head: bool) -> tuple[torch.Tensor, ...]:
+    """``(r_k, r_v, eig_k, eig_v)`` for one layer built by a rotation recipe: rotations ``[h, d, d]`` and target
+    eigenvalues ``[h, d]``."""
+    kb, vb, use_p, use_h, signs = (rotation.key_basis, rotation.value_basis, rotation.use_p, rotation.use_h,
+                                   rotation.random_signs)
     covs = {"q": data.cq, "k": data.ck, "v": data.cv, "s": data.cs, "o": data.co}
     H, d = data.cq.shape[0], data.cq.shape[-1]
 
@@ -160,7 +162,7 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int) -> LayerFit:
     q = cfg.scheme
     group = q.group_for(head_dim)
     fit_half, held = data.split()
-    r_k, r_v, e_k, e_v = method_rotations(data, cfg.method, group, cfg.per_head)
+    r_k, r_v, e_k, e_v = fit_rotations(data, cfg.rotation, group, cfg.per_head)
     h = r_k.shape[0]
 
     def kmetric(half):

@@ -15,17 +15,23 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from oscar_kernels.scheme import DecodeOptions, QuantScheme
 
 from . import quantizer
-from .config import QuantScheme
-from .methods import KIVI_GROUP, Method, MethodError
+from .methods import KIVI_GROUP, Method, MethodError, Rotation
+from .rotation import HADAMARD_SEED, compose
 
 
 @dataclass(frozen=True)
 class LayerQuant:
-    """How one layer's K/V rows are stored. ``r_k``/``r_v``: fp32 ``[h, d, d]`` (h = 1 or kv heads) or None for no
-    rotation; ``clip_k``/``clip_v``: fp32 ``[h]``; ``token_block``: tokens quantized together (32 for per-channel
-    keys, else 1) — the quantized region always grows by whole blocks."""
+    """How one layer's K/V rows are stored and read. ``r_k``/``r_v``: fp32 ``[h, d, d]`` (h = 1 or kv heads) or None
+    for no rotation; ``clip_k``/``clip_v``: fp32 ``[h]``; ``token_block``: tokens quantized together (32 for
+    per-channel keys, else 1) — the quantized region always grows by whole blocks. ``decode``: the decode kernel's
+    options; the reference attention emulates their numerics (``int8_scores``: the INT2 rows' scores from each
+    query rounded to int8 in the rotated basis, :func:`oscar_cli.attention.int8_query` and
+    :func:`~oscar_cli.attention.int8_keys`; ``int8_values``: the INT2 rows' value code terms weighed by
+    probabilities rounded to int8 steps per 128-row tile, row scales only,
+    :func:`oscar_cli.attention.int8_values_attention`)."""
 
     bits: int
     group: int
@@ -35,13 +41,7 @@ class LayerQuant:
     clip_v: torch.Tensor
     key_axis: str = "token"
     key_group: int = 0
-    int8_scores: bool = False
-    """Scores over INT2 keys from each query rounded to int8 in the rotated basis (the decode kernel's
-    ``int8_scores``), emulated through :func:`oscar_cli.attention.int8_query` and :func:`~oscar_cli.attention.
-    int8_keys`."""
-    int8_values: bool = False
-    """The INT2 rows' value code terms weighed by probabilities rounded to int8 steps per 128-row tile (the decode
-    kernel's ``int8_values``; row scales only), emulated through :func:`oscar_cli.attention.int8_values_attention`."""
+    decode: DecodeOptions = DecodeOptions()
 
     @property
     def token_block(self) -> int:
@@ -57,24 +57,20 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
     """One :class:`LayerQuant` per model layer (None = exact) for ``method`` at ``scheme`` (see
     :func:`oscar_cli.methods.scheme_for`). ``artifact``: an :class:`oscar_cli.artifact.Artifact` for artifact methods;
     its layers not listed stay exact, its head count must be 1 or ``kv_heads``."""
-    from .rotation import data_free_hadamard
-
     if method.family == "exact":
         return [None] * n_layers
     if method.family == "hf":
         raise MethodError(f"{method.name} is a transformers QuantizedCache; it has no decode-equivalent attention")
     group = scheme.group_for(head_dim)
-    if method.int8_values and group != head_dim:
+    if method.decode.int8_values and group != head_dim:
         raise MethodError(f"{method.label} needs one value scale per row (group {head_dim}); the scheme's group is "
                           f"{group}: drop the group override or use oscar-int8")
     one = torch.ones(1)
-    if method.rotation == "none":
-        base = LayerQuant(scheme.bits, group, None, None, one * method.clip[0], one * method.clip[1],
-                          method.key_axis, KIVI_GROUP if method.key_axis == "channel" else 0)
-        return [base] * n_layers
-    if method.rotation == "hadamard":
-        h = data_free_hadamard(head_dim, group).float()[None]
-        base = LayerQuant(scheme.bits, group, h, h, one * method.clip[0], one * method.clip[1])
+    if method.rotation is not None:
+        r = data_free_rotation(method.rotation, head_dim, group)
+        r = None if r is None else r.float()[None]
+        base = LayerQuant(scheme.bits, group, r, r, one * method.clip[0], one * method.clip[1],
+                          method.key_axis, KIVI_GROUP if method.key_axis == "channel" else 0, method.decode)
         return [base] * n_layers
     if artifact is None:
         raise MethodError(f"{method.label} needs an artifact: pass --artifact latest|vN|PATH or {method.name}@REF")
@@ -95,9 +91,19 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
             ck, cv = lr.clip_k.float(), lr.clip_v.float()
         else:
             ck, cv = torch.full((h,), method.clip[0]), torch.full((h,), method.clip[1])
-        out.append(LayerQuant(scheme.bits, group, lr.r_k.float(), lr.r_v.float(), ck, cv,
-                              int8_scores=method.int8_scores, int8_values=method.int8_values))
+        out.append(LayerQuant(scheme.bits, group, lr.r_k.float(), lr.r_v.float(), ck, cv, decode=method.decode))
     return out
+
+
+def data_free_rotation(rotation: Rotation, head_dim: int, group: int) -> torch.Tensor | None:
+    """The matrix of a data-free rotation recipe (:attr:`~oscar_cli.methods.Rotation.data_free`) at ``head_dim``
+    with Hadamard blocks of ``group``: float64 ``[d, d]``, or None for the identity (rows are stored unrotated)."""
+    if not rotation.data_free:
+        raise MethodError(f"rotation {rotation.name} is fitted from calibration statistics; load it from an artifact")
+    if rotation.is_identity:
+        return None
+    return compose(torch.eye(head_dim, dtype=torch.float64), use_u=False, use_p=rotation.use_p,
+                   use_h=rotation.use_h, group=group, signs_seed=HADAMARD_SEED if rotation.random_signs else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from oscar_kernels.layout import SCALE_EPS, pack, unpack
+from oscar_kernels import SCALE_EPS, pack, unpack
 
 __all__ = ["SCALE_EPS", "QuantizedRows", "bits_per_element", "clip_bounds", "dequantize", "fake_quant", "pack",
            "quantize", "unpack"]

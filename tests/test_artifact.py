@@ -1,3 +1,4 @@
+import hashlib
 import json
 
 import pytest
@@ -39,7 +40,10 @@ def test_write_load_round_trip_and_versions(tmp_path):
     assert not list(tmp_path.glob("m/.tmp-*"))
     m = a.manifest
     assert isinstance(m, art.Manifest) and m.schema_version == art.MANIFEST_SCHEMA
-    assert a.scheme == QuantScheme(group=8, sink=4, recent=8) and m.content_hash.startswith("")
+    assert a.scheme == QuantScheme(group=8, sink=4, recent=8)
+    # the hash is the tensor file's own sha256 (what load_artifact checks), not a placeholder
+    digest = hashlib.sha256((p2 / art.TENSOR_FILE).read_bytes()).hexdigest()
+    assert m.content_hash == digest and len(digest) == 64
     assert m.code_version.startswith("0.1.0") and m.created.endswith("Z")
     assert art.Manifest.from_dict(m.to_dict()) == m
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from oscar_kernels.scheme import DecodeOptions
 
 from oscar_cli import attention as attn
 from oscar_cli.config import QuantScheme
@@ -11,7 +12,7 @@ from oscar_cli.kvquant import build_layer_quants, roundtrip
 from oscar_cli.methods import get_method, scheme_for
 
 
-def Windows(sink, recent):  # noqa: N802
+def SinkRecent(sink, recent):  # noqa: N802
     return QuantScheme(sink=sink, recent=recent)
 
 
@@ -44,7 +45,7 @@ def test_decode_equivalent_matches_brute_force_with_left_padding(name):
     B, n, d = 2, 40, 16
     q, k, v = (torch.randn(B, h, n, d, generator=g) for h in (4, 2, 2))
     lq = lq_for(name, 1, d, 2)[0]
-    w = Windows(sink=3, recent=7)
+    w = SinkRecent(sink=3, recent=7)
     first = [0, 5]  # row 1 is left-padded by 5
     allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None].repeat(B, 1, 1, 1)
     allowed[1, :, :, :5] = False
@@ -68,8 +69,8 @@ def test_int8_scores_match_a_brute_force_of_the_kernel_definition():
     g = torch.Generator().manual_seed(5)
     B, n, d = 1, 30, 16
     q, k, v = (torch.randn(B, h, n, d, generator=g) * 2 for h in (4, 2, 2))
-    lq = dataclasses.replace(lq_for("int2-hadamard-clip", 1, d, 2)[0], int8_scores=True)
-    w = Windows(sink=2, recent=5)
+    lq = dataclasses.replace(lq_for("int2-hadamard-clip", 1, d, 2)[0], decode=DecodeOptions(int8_scores=True))
+    w = SinkRecent(sink=2, recent=5)
     allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None]
     out = attn.decode_equivalent(q, k, v, allowed, 1 / math.sqrt(d), lq, w)
     rows = quantize_rows(k, lq, "k")
@@ -94,7 +95,7 @@ def test_int8_scores_match_a_brute_force_of_the_kernel_definition():
             p = torch.softmax(torch.stack(s) / math.sqrt(d), 0)
             ref[0, t, h] = p @ torch.stack(vals)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    plain = attn.decode_equivalent(q, k, v, allowed, 1 / math.sqrt(d), dataclasses.replace(lq, int8_scores=False), w)
+    plain = attn.decode_equivalent(q, k, v, allowed, 1 / math.sqrt(d), dataclasses.replace(lq, decode=DecodeOptions()), w)
     assert (out - plain).abs().max() > 1e-4  # the rounding is visible
     torch.testing.assert_close(out, plain, atol=0.25, rtol=0.25)
 
@@ -114,12 +115,13 @@ def test_int8_values_match_the_kernel_definition_per_query(int8_scores):
     g = torch.Generator().manual_seed(7)
     B, n, d = 2, 330, 16
     q, k, v = (torch.randn(B, h, n, d, generator=g) * 2 for h in (4, 2, 2))
-    lq = dataclasses.replace(lq_for("int2-hadamard-clip", 1, d, 2)[0], int8_scores=int8_scores, int8_values=True)
-    w = Windows(sink=2, recent=5)
+    lq = dataclasses.replace(lq_for("int2-hadamard-clip", 1, d, 2)[0],
+                             decode=DecodeOptions(int8_scores=int8_scores, int8_values=True))
+    w = SinkRecent(sink=2, recent=5)
     allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None].repeat(B, 1, 1, 1)
     allowed[1, :, :, :3] = False  # row 1 left-padded by 3: its sink and INT2 list start 3 later
     out = attn.decode_equivalent(q, k, v, allowed, 1 / math.sqrt(d), lq, w)
-    plain = attn.decode_equivalent(q, k, v, allowed, 1 / math.sqrt(d), dataclasses.replace(lq, int8_values=False), w)
+    plain = attn.decode_equivalent(q, k, v, allowed, 1 / math.sqrt(d), dataclasses.replace(lq, decode=DecodeOptions(int8_scores=int8_scores)), w)
     codes, scale, zeros = attn.int8_value_parts(quantize_rows(v, lq, "v"), lq)
     v_rt = roundtrip(v, lq, "v")
     q_sc, k_sc = (attn.int8_query(q, lq.r_k), attn.int8_exact_keys(k)) if int8_scores else (q, k)
@@ -154,7 +156,7 @@ def test_recent_covering_everything_is_exact():
     q, k, v = (torch.randn(1, h, 30, 16, generator=g) for h in (4, 2, 2))
     lq = lq_for("int2-naive", 1, 16, 2)[0]
     allowed = torch.tril(torch.ones(30, 30, dtype=torch.bool))[None, None]
-    out = attn.decode_equivalent(q, k, v, allowed, 0.25, lq, Windows(0, 30))
+    out = attn.decode_equivalent(q, k, v, allowed, 0.25, lq, SinkRecent(0, 30))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-6, rtol=1e-5)
 
@@ -169,9 +171,26 @@ def test_registered_attention_in_a_model(tiny_llama):
         same = model(ids, use_cache=False).logits
         torch.testing.assert_close(same, base, atol=1e-5, rtol=1e-4)
         quants = lq_for("int2-naive", 2, 16, 2)
-        attn.install(model, quants, Windows(4, 8))
+        attn.install(model, quants, SinkRecent(4, 8))
         q = model(ids, use_cache=False).logits
     # the first sink+recent positions see only exact keys; later ones do not
     torch.testing.assert_close(q[:, :12], base[:, :12], atol=1e-5, rtol=1e-4)
     assert (q[:, 20:] - base[:, 20:]).abs().max() > 1e-3
     assert torch.isfinite(q).all()
+
+
+def test_ensure_installed_keeps_a_switched_model_and_switches_a_plain_one(tiny_llama):
+    """What a cache that attends by itself calls: a plain model gets exact layers (same logits as sdpa); a model
+    already switched keeps its quantizers."""
+    model = tiny_llama(hidden=64)
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(ids, use_cache=False).logits
+        attn.ensure_installed(model)
+        assert attn.is_installed(model)
+        torch.testing.assert_close(model(ids, use_cache=False).logits, base, atol=1e-5, rtol=1e-4)
+        attn.install(model, lq_for("int2-naive", 2, 16, 2), SinkRecent(2, 4))
+        quantized = model(ids, use_cache=False).logits
+        attn.ensure_installed(model)
+        assert torch.equal(model(ids, use_cache=False).logits, quantized)
+    assert (quantized - base).abs().max() > 1e-3

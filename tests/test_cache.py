@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 from helpers import build_llama
+from oscar_kernels.scheme import DecodeOptions
 from transformers import DynamicCache
 
 from oscar_cli import attention as attn
@@ -21,7 +22,7 @@ def tiny_llama(dtype=torch.float32, seed=0):
     return build_llama(dtype=dtype, seed=seed, pad_token_id=0)
 
 
-def Windows(sink, recent):  # noqa: N802
+def SinkRecent(sink, recent):  # noqa: N802
     return QuantScheme(sink=sink, recent=recent)
 
 
@@ -35,7 +36,8 @@ def quants(name, layers=2):
     base, _, int8 = name.partition("+")
     m = get_method(base)
     out = build_layer_quants(m, scheme_for(m, D), layers, D, 2)
-    return [dataclasses.replace(lq, int8_scores=True, int8_values=int8 == "int8pv") for lq in out] if int8 else out
+    opts = DecodeOptions(int8_scores=True, int8_values=int8 == "int8pv")
+    return [dataclasses.replace(lq, decode=opts) for lq in out] if int8 else out
 
 
 def test_recent_covering_sequence_gives_dynamic_cache_tokens():
@@ -45,7 +47,7 @@ def test_recent_covering_sequence_gives_dynamic_cache_tokens():
     with torch.no_grad():
         ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False,
                              **{kw: DynamicCache(config=model.config)})
-        cache = OscarCache(model, quants("int2-naive"), Windows(4, 64))
+        cache = OscarCache(model, quants("int2-naive"), SinkRecent(4, 64))
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False, **{kw: cache})
     assert torch.equal(out, ref)
     assert all(layer.codes_k is None for layer in cache.layers)
@@ -57,7 +59,7 @@ def test_prefill_and_decode_steps_equal_decode_equivalent_attention(name):
     """Prefill through the cache quantizes as a decoder would, and every decode step's attention equals the
     teacher-forced decode-equivalent attention at that position."""
     model = tiny_llama()
-    w = scheme_for(get_method(name.partition("+")[0]), D, windows=Windows(3, 6))  # KIVI: its own windows (0 / 128)
+    w = scheme_for(get_method(name.partition("+")[0]), D, reference=SinkRecent(3, 6))  # KIVI: its own sink/recent (0 / 128)
     q = quants(name)
     prompt, steps = ids(1, 150 if name == "int2-kivi" else 40), 12
     kw = cache_kwarg(model)
@@ -103,7 +105,7 @@ def test_left_padded_batch_matches_rows_alone():
     """Sinks are the first real tokens of each row: a padded row decodes as it would alone."""
     model = tiny_llama()
     kw = cache_kwarg(model)
-    q, w = quants("int2-naive"), Windows(4, 6)
+    q, w = quants("int2-naive"), SinkRecent(4, 6)
     a, b = ids(1, 36, seed=1), ids(1, 28, seed=2)
     batch = torch.cat([a, torch.cat([torch.zeros(1, 8, dtype=torch.long), b], 1)])
     mask = torch.ones_like(batch)
@@ -124,7 +126,7 @@ def test_bytes_held_equal_accounting(name):
     m = get_method(name)
     n_prompt, new = 150, 20
     with torch.no_grad():
-        scheme = scheme_for(m, D, windows=Windows(8, 16))
+        scheme = scheme_for(m, D, reference=SinkRecent(8, 16))
         cache = make_cache(model, m, build_layer_quants(m, scheme, 2, D, 2), scheme)
         model.generate(ids(1, n_prompt), attention_mask=torch.ones(1, n_prompt, dtype=torch.long),
                        max_new_tokens=new, do_sample=False, **{kw: cache})
@@ -138,21 +140,21 @@ def test_bytes_held_equal_accounting(name):
 
 def test_unusable_operations_and_peers_are_clear_errors():
     model = tiny_llama()
-    cache = OscarCache(model, quants("int2-naive"), Windows(2, 2))
+    cache = OscarCache(model, quants("int2-naive"), SinkRecent(2, 2))
     with pytest.raises(OscarError, match="beam search"):
         cache.layers[0].reorder_cache(torch.tensor([0]))
     import importlib.util
 
     if importlib.util.find_spec("hqq") is None:
         with pytest.raises(OscarError, match="hqq"):
-            make_cache(model, get_method("hf-hqq"), None, Windows(0, 64))
+            make_cache(model, get_method("hf-hqq"), None, SinkRecent(0, 64))
 
 
 def test_cache_refuses_another_attention_implementation():
     """The cache attends by itself; if the model is switched back to SDPA it must refuse, not attend the tail only."""
     model = tiny_llama()
     kw = cache_kwarg(model)
-    cache = make_cache(model, get_method("int2-naive"), quants("int2-naive"), Windows(2, 4))
+    cache = make_cache(model, get_method("int2-naive"), quants("int2-naive"), SinkRecent(2, 4))
     with torch.no_grad():
         model(ids(1, 12), **{kw: cache}, use_cache=True)
         model.set_attn_implementation("sdpa")

@@ -12,12 +12,13 @@ from oscar_cli.cli._app import app
 @pytest.fixture
 def stub_model(monkeypatch, kit):
     from oscar_cli import models
+    from oscar_cli.eval import run
 
     def fake_load(spec, store, dtype=None, device="cpu"):
         return models.LoadedModel(model=kit.llama(), tokenizer=kit.tokenizer(), fingerprint="sha256:tiny",
                                   slug="tiny", source="memory")
 
-    monkeypatch.setattr(models, "load_model", fake_load)
+    monkeypatch.setattr(run, "load_model", fake_load)  # where `oscar eval` loads its model
 
 
 def test_eval_ppl_stores_rows_and_prints_json(stub_model, tmp_path, kit):
@@ -30,6 +31,7 @@ def test_eval_ppl_stores_rows_and_prints_json(stub_model, tmp_path, kit):
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)
     assert len(rows) == 6 and {x["method"] for x in rows} == {"bf16", "int2-naive", "int2-hadamard-clip"}
+    assert {(x["config"]["segments"], x["config"]["mode"]) for x in rows} == {(2, "teacher-forced")}
     bf = {x["config"]["seq_len"]: x["value"] for x in rows if x["method"] == "bf16"}
     for x in rows:
         assert x["delta_bf16"] == pytest.approx(x["value"] - bf[x["config"]["seq_len"]])
@@ -43,15 +45,15 @@ def test_eval_ppl_stores_rows_and_prints_json(stub_model, tmp_path, kit):
 
 
 def test_json_stays_parseable_when_libraries_print(stub_model, tmp_path, kit, monkeypatch):
-    from oscar_cli import evaluate as ev
+    from oscar_cli.eval import run
 
-    real = ev.perplexity
+    real = run.perplexity
 
     def chatty(*a, **k):
         print("a library talking on stdout")
         return real(*a, **k)
 
-    monkeypatch.setattr(ev, "perplexity", chatty)
+    monkeypatch.setattr(run, "perplexity", chatty)
     data = tmp_path / "text.txt"
     data.write_text(kit.text(200))
     r = CliRunner().invoke(app, ["eval", "--tasks", "oscar_ppl", "--methods", "bf16", "--seq-lengths", "64",
@@ -110,7 +112,7 @@ def _eval(tmp_path, *args):
 
 def test_the_artifact_scheme_is_what_runs(stub_model, tmp_path, kit):
     """A 4-bit artifact evaluates at 4 bits (and is closer to bf16 than the same rotations at 2 bits); data-free
-    baselines take its windows; a --bits override that cannot hold names both values."""
+    baselines take its sink/recent; a --bits override that cannot hold names both values."""
     data = tmp_path / "t.txt"
     data.write_text(kit.text(400))
     v4 = make_artifact(tmp_path / "st", tmp_path, bits=4, sink=2, recent=8)
@@ -121,14 +123,14 @@ def test_the_artifact_scheme_is_what_runs(stub_model, tmp_path, kit):
     rows = {x["method"]: x for x in json.loads(r.stdout)}
     s4, s2 = rows[f"oscar@{v4}"]["config"]["scheme"], rows[f"oscar@{v2}"]["config"]["scheme"]
     assert (s4["bits"], s4["group"], s4["sink"], s4["recent"]) == (4, 32, 2, 8) and s2["bits"] == 2
-    assert rows["int2-naive"]["config"]["scheme"]["sink"] == 2  # the baseline runs at the artifact's windows
+    assert rows["int2-naive"]["config"]["scheme"]["sink"] == 2  # the baseline runs at the artifact's sink/recent
     assert rows[f"oscar@{v4}"]["bits_per_element"] == pytest.approx(((128 - 10) * (4 + 1) + 10 * 16) / 128)
     # and the codes really are 4-bit: the same rotations quantize with ~4x less logit error than at 2 bits
     import torch
 
-    from oscar_cli import evaluate as ev
     from oscar_cli.artifact import load_artifact
     from oscar_cli.methods import get_method, scheme_for
+    from oscar_cli.prepare import prepare
 
     model, x = kit.llama(), torch.randint(3, 93, (1, 96), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -136,7 +138,7 @@ def test_the_artifact_scheme_is_what_runs(stub_model, tmp_path, kit):
         errs = []
         for p in (v4, v2):
             a = load_artifact(p)
-            ev.prepare(model, get_method("oscar"), scheme_for(get_method("oscar"), 32, artifact_scheme=a.scheme), a)
+            prepare(model, get_method("oscar"), scheme_for(get_method("oscar"), 32, artifact_scheme=a.scheme), a)
             errs.append((model(x, use_cache=False).logits - exact).norm().item())
     assert errs[0] < 0.4 * errs[1], errs
     r = _eval(tmp_path, "--methods", f"oscar@{v4}", "--bits", "2", *common)
@@ -175,17 +177,30 @@ def test_missed_recipe_thresholds_fail_the_run(stub_model, tmp_path, kit):
     assert len(Store(tmp_path / "st").list_evals()) == 12  # the rows are stored even when thresholds fail
 
 
-def test_fit_method_refs_pick_the_newest_matching_artifact(tmp_path):
-    from oscar_cli import evaluate as ev
+def test_fit_rotation_refs_pick_the_newest_matching_artifact(tmp_path):
     from oscar_cli.errors import OscarError
+    from oscar_cli.eval.run import resolve_artifact_ref
     from oscar_cli.store import Store
 
     st = tmp_path / "st"
     for i, (method, per_head) in enumerate([("kcov", True), ("kcov", False), ("kcov", True), ("oscar", False)]):
         make_artifact(st, tmp_path, method=method, per_head=per_head, seed=i)
     store = Store(st)
-    assert ev.resolve_artifact_ref(store, "fit:kcov+per-head", "tiny").name == "v3"
-    assert ev.resolve_artifact_ref(store, "fit:kcov", "tiny").name == "v2"
-    assert ev.resolve_artifact_ref(store, "v1", "tiny").name == "v1"
+    assert resolve_artifact_ref(store, "fit:kcov+per-head", "tiny").name == "v3"
+    assert resolve_artifact_ref(store, "fit:kcov", "tiny").name == "v2"
+    assert resolve_artifact_ref(store, "v1", "tiny").name == "v1"
     with pytest.raises(OscarError, match="oscar fit --method kcov-uh"):
-        ev.resolve_artifact_ref(store, "fit:kcov-uh", "tiny")
+        resolve_artifact_ref(store, "fit:kcov-uh", "tiny")
+
+
+@pytest.mark.slow
+def test_shipped_recipe_thresholds_hold(embedded_store, embedded_artifact):
+    """`oscar eval --recipe recipes/smollm2-135m.yaml` on the embedded default meets the recipe's thresholds."""
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m.yaml"
+    r = CliRunner().invoke(app, ["eval", "--recipe", str(recipe), "--store", str(embedded_store), "--artifact",
+                                 str(embedded_artifact), "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rows = {x["method"]: x["value"] for x in json.loads(r.stdout)}
+    assert rows["bf16"] < rows["oscar"] < rows["int2-hadamard"] < rows["int2-naive"], rows

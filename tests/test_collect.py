@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import torch
 
 from oscar_cli.collect import Reservoir
@@ -69,14 +70,41 @@ def test_accumulator_round_trips_through_rows():
 def test_accumulators_follow_the_rows_device():
     """A CUDA model's rows accumulate on the GPU: the first update moves the accumulators to the rows' device
     (``meta`` stands in for CUDA on a CPU machine; with the accumulators left on the CPU this update raises the
-    device mismatch a CUDA collect hit), and the rows read back to the CPU equal a CPU run's."""
+    device mismatch a CUDA collect hit)."""
     acc = StatsAccumulator(SHAPE)
+    assert acc.device.type == "cpu"
     acc.update(0, *(t.to("meta") for t in _batch(1)))
+    assert acc.device.type == "meta"
     assert {t.device.type for d in (acc.sums, acc.count, acc.weight) for t in d.values()} == {"meta"}
-    cpu, moved = StatsAccumulator(SHAPE), StatsAccumulator(SHAPE).to("cpu")
-    cpu.update(1, *_batch(2))
-    moved.update(1, *_batch(2))
-    assert cpu.digest() == moved.digest()
+    assert {t.dtype for d in (acc.sums, acc.count, acc.weight) for t in d.values()} == {torch.float64}
+
+
+def test_low_precision_rows_accumulate_in_float64():
+    """Rows of any float dtype (a bf16 model's) are widened before their products: the accumulators stay float64 and
+    equal those of the same values given as float64 rows (bf16 products would round each term)."""
+    rows = [tuple(t.bfloat16() for t in _batch(s)) for s in (2, 3)]
+    low, wide = StatsAccumulator(SHAPE), StatsAccumulator(SHAPE)
+    for b in rows:
+        low.update(1, *b)
+        wide.update(1, *(t.double() for t in b))
+    assert {t.dtype for d in (low.sums, low.count, low.weight) for t in d.values()} == {torch.float64}
+    assert low.digest() == wide.digest()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_statistics_read_back_equal_a_cpu_run():
+    """Accumulated on the GPU, the statistics leave the accumulator on the CPU (rows, digest) equal to a CPU run's."""
+    gpu, cpu = StatsAccumulator(SHAPE), StatsAccumulator(SHAPE)
+    for s in (4, 5):
+        gpu.update(1, *(t.double().cuda() for t in _batch(s)))
+        cpu.update(1, *(t.double() for t in _batch(s)))
+    assert gpu.device.type == "cuda"
+    rows_gpu, rows_cpu = gpu.as_rows(), cpu.as_rows()
+    for key, (count, weight, mat) in rows_cpu.items():
+        assert rows_gpu[key][:2] == (count, weight)
+        np.testing.assert_allclose(rows_gpu[key][2], mat, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gpu.covariance("s").cpu(), cpu.covariance("s"), rtol=1e-12, atol=1e-12)
 
 
 def test_reservoir_keeps_the_smallest_priorities_whatever_the_batching():

@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from oscar_cli.config import FIT_METHODS, ConfigError, EvalConfig, FitConfig, QuantScheme, load_recipe, parse_layers
+from oscar_cli.config import ConfigError, EvalConfig, FitConfig, QuantScheme, load_recipe, parse_layers
+from oscar_cli.methods import ROTATIONS
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -33,7 +34,7 @@ def test_shipped_recipes_mean_what_they_say():
     assert len(abl.eval.methods) == 16 and abl.eval.overrides == {"sink": 16, "recent": 64}
     assert all(m.split("@")[0] in ("bf16", "int2-naive", "int2-kivi", "int2-hadamard", "int2-hadamard-clip", "oscar",
                                    "oscar-noclip") for m in abl.eval.methods)
-    assert {m.split("@fit:")[1].split("+")[0] for m in abl.eval.methods if "@fit:" in m} <= set(FIT_METHODS)
+    assert {m.split("@fit:")[1].split("+")[0] for m in abl.eval.methods if "@fit:" in m} <= set(ROTATIONS)
 
 
 def test_unknown_keys_are_errors(tmp_path):
@@ -84,8 +85,9 @@ def test_thresholds_on_expanded_tasks_and_their_bounds(tmp_path):
 
 
 def test_bad_values():
-    with pytest.raises(ConfigError, match="unknown fit method"):
+    with pytest.raises(ConfigError, match="unknown rotation 'nope' for fit --method; choose one of identity"):
         FitConfig(method="nope")
+    assert FitConfig(method="kcov-uh").rotation is ROTATIONS["kcov-uh"]
     with pytest.raises(ConfigError, match="--limit"):
         EvalConfig(limit=0)
     with pytest.raises(ConfigError, match="cannot override 'levels'"):

@@ -1,8 +1,10 @@
 import pytest
 import torch
 
-from oscar_cli.config import FIT_METHODS, FitConfig, QuantScheme
-from oscar_cli.fit import LayerData, fit_layer, key_distortion, value_distortion
+from oscar_cli.config import FitConfig, QuantScheme
+from oscar_cli.fit import LayerData, fit_layer, fit_rotations, key_distortion, value_distortion
+from oscar_cli.kvquant import data_free_rotation
+from oscar_cli.methods import ROTATIONS
 from oscar_cli.rotation import orthogonality_error
 
 
@@ -20,7 +22,7 @@ def _layer(n=512, H=2, d=16, seed=0):
     return LayerData(cq=cov(q), ck=cov(k), cv=cov(v), cs=cov(v), co=cov(v), k_rows=k.float(), v_rows=v.float())
 
 
-@pytest.mark.parametrize("method", sorted(FIT_METHODS))
+@pytest.mark.parametrize("method", sorted(ROTATIONS))
 @pytest.mark.parametrize("per_head", [False, True])
 def test_every_method_gives_orthogonal_rotations(method, per_head):
     data = _layer()
@@ -29,6 +31,19 @@ def test_every_method_gives_orthogonal_rotations(method, per_head):
     for r in (*f.r_k, *f.r_v):
         assert orthogonality_error(r.float()) < 1e-5
     assert ((0 < f.clip_k) & (f.clip_k <= 1)).all()
+
+
+@pytest.mark.parametrize("name", ["identity", "hadamard"])
+def test_data_free_recipes_fit_the_matrix_the_kv_methods_use(name):
+    """A data-free recipe fitted (``oscar fit --method hadamard``) gives exactly the rotation the data-free KV methods
+    build from the same registry entry (``int2-hadamard``), shared or per head; eigenvalues play no part."""
+    for per_head in (False, True):
+        r_k, r_v, _, _ = fit_rotations(_layer(), ROTATIONS[name], 8, per_head)
+        want = data_free_rotation(ROTATIONS[name], 16, 8)
+        want = torch.eye(16, dtype=torch.float64) if want is None else want
+        assert r_k.shape[0] == (2 if per_head else 1)
+        for r in (*r_k, *r_v):
+            assert torch.equal(r, want)
 
 
 def test_fitted_clip_beats_plain_min_max_on_held_out_rows():

@@ -1,25 +1,21 @@
-"""Method registry, scheme resolution, the rotate+quantize seam and the storage accounting."""
+"""The one method registry: rotation recipes and KV-cache methods, and how a KV method's scheme is decided."""
 
 import pytest
-import torch
+from oscar_kernels.scheme import DecodeOptions
 
 from oscar_cli.config import QuantScheme
 from oscar_cli.errors import OscarError
-from oscar_cli.kvquant import (
-    LayerQuant,
-    bits_per_element,
-    build_layer_quants,
-    dequantize_rows,
-    quantize_rows,
-    quantized_count,
-    roundtrip,
+from oscar_cli.kvquant import build_layer_quants
+from oscar_cli.methods import (
+    METHODS,
+    ROTATIONS,
+    Method,
+    MethodError,
+    get_method,
+    get_rotation,
+    parse_methods,
+    scheme_for,
 )
-from oscar_cli.methods import METHODS, MethodError, get_method, parse_methods, scheme_for
-
-
-def lq_for(name, n_layers=1, d=64, h=2, **kw):
-    m = get_method(name)
-    return build_layer_quants(m, scheme_for(m, d, **kw), n_layers, d, h)
 
 
 def test_registry_has_required_methods():
@@ -30,15 +26,34 @@ def test_registry_has_required_methods():
     assert get_method("int2-hadamard-clip@0.9/0.8").clip == (0.9, 0.8)
     assert get_method("oscar@v3").arg == "v3"
     q8 = get_method("oscar-int8@v2")
-    assert q8.int8_scores and q8.arg == "v2" and q8.clip is None and not get_method("oscar").int8_scores
+    assert q8.decode == DecodeOptions(int8_scores=True) and q8.arg == "v2" and q8.clip is None
+    assert get_method("oscar").decode == DecodeOptions()
     pv = get_method("oscar-int8-pv@v2")
-    assert pv.int8_scores and pv.int8_values and pv.arg == "v2" and not q8.int8_values
+    assert pv.decode == DecodeOptions(int8_scores=True, int8_values=True) and pv.arg == "v2"
+    # a method's decode options reach every layer's quantizer
+    art_free = [lq.decode for lq in build_layer_quants(get_method("int2-hadamard"), QuantScheme(), 2, 64, 2)]
+    assert art_free == [DecodeOptions()] * 2
+
+
+def test_data_free_methods_refer_to_their_rotation_recipe():
+    """One registry: a KV method with a data-free rotation holds the ``ROTATIONS`` entry itself; artifact methods hold
+    none (the artifact's fitted rotations) and are the ones that need an artifact."""
+    for name in ("int2-hadamard", "int4-hadamard", "int2-hadamard-clip", "int4-hadamard-clip"):
+        assert METHODS[name].rotation is ROTATIONS["hadamard"]
+    for name in ("int2-naive", "int4-naive", "int2-kivi", "bf16"):
+        assert METHODS[name].rotation is ROTATIONS["identity"]
+    needs = {n for n, m in METHODS.items() if m.needs_artifact}
+    assert needs == {"oscar", "oscar-noclip", "oscar-int8", "oscar-int8-pv"}
+    assert all(METHODS[n].rotation is None for n in needs)
+    assert {r.name for r in ROTATIONS.values() if r.data_free} == {"identity", "hadamard"}
+    assert get_rotation("kcov").value_basis == "v"
+    with pytest.raises(MethodError, match="unknown rotation 'nope'; choose one of identity, hadamard"):
+        get_rotation("nope")
+    with pytest.raises(ValueError, match="comes from an artifact"):
+        Method("int2-oscar", "quant", 2, rotation=ROTATIONS["oscar"])
 
 
 def test_int8_values_need_row_scales():
-    from oscar_cli.config import QuantScheme
-    from oscar_cli.kvquant import build_layer_quants
-
     with pytest.raises(OscarError, match="one value scale per row"):
         build_layer_quants(get_method("oscar-int8-pv"), QuantScheme(group=32), 2, 64, 2)
     assert [m.name for m in parse_methods("bf16, int2-naive,bf16")] == ["bf16", "int2-naive"]
@@ -70,71 +85,15 @@ def test_schemes_come_from_the_artifact_and_overrides_are_checked():
     assert "4 bits" in msg and "--bits 2" in msg and "m/v3" in msg and "\n" not in msg
     with pytest.raises(MethodError, match="group 48 must divide the head dim 64"):
         scheme_for(oscar, 64, artifact_scheme=four, overrides={"group": 48})
-    # data-free methods: their own bits, the reference windows, overrides on top; KIVI keeps its own windows
-    win = QuantScheme(sink=16, recent=64)
-    assert scheme_for(get_method("int4-hadamard"), 64, windows=win) == QuantScheme(bits=4, group=64, sink=16, recent=64)
+    # data-free methods: their own bits, the reference sink/recent, overrides on top; KIVI keeps its own sink/recent
+    ref = QuantScheme(sink=16, recent=64)
+    assert scheme_for(get_method("int4-hadamard"), 64, reference=ref) == QuantScheme(bits=4, group=64, sink=16,
+                                                                                       recent=64)
     with pytest.raises(MethodError, match="2 bits.*--bits 4"):
         scheme_for(get_method("int2-naive"), 64, overrides={"bits": 4})
-    kivi = scheme_for(get_method("int2-kivi"), 64, windows=win, overrides={"sink": 3})
+    kivi = scheme_for(get_method("int2-kivi"), 64, reference=ref, overrides={"sink": 3})
     assert (kivi.sink, kivi.recent, kivi.group) == (0, 128, 32)
     with pytest.raises(MethodError, match="fixes group 32"):
         scheme_for(get_method("int2-kivi"), 64, overrides={"group": 64})
 
 
-@pytest.mark.parametrize("name", ["int2-naive", "int2-hadamard", "int2-hadamard-clip", "int4-hadamard", "int2-kivi"])
-def test_roundtrip_error_bound(name):
-    """Unclipped: every element within half a step of its group; rotations are undone exactly."""
-    m = get_method(name)
-    lq = lq_for(name)[0]
-    x = torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(0))
-    y = roundtrip(x, lq, "v")
-    assert y.shape == x.shape
-    if m.clip == (1.0, 1.0):
-        xr = x @ lq.r_v if lq.r_v is not None else x
-        yr = y @ lq.r_v if lq.r_v is not None else y
-        g = lq.group
-        step = (xr.unflatten(-1, (-1, g)).amax(-1) - xr.unflatten(-1, (-1, g)).amin(-1)) / ((1 << lq.bits) - 1)
-        err = (xr - yr).abs().unflatten(-1, (-1, g)).amax(-1)
-        assert (err <= step * 0.5 * 1.01 + 1e-3).all()
-    rel = ((x - y).norm() / x.norm()).item()
-    assert rel < (0.12 if lq.bits == 4 else 0.6)
-
-
-def test_kivi_keys_are_per_channel_blocks():
-    lq = lq_for("int2-kivi")[0]
-    assert lq.token_block == 32
-    x = torch.randn(1, 2, 64, 64)
-    q = quantize_rows(x, lq, "k")
-    assert q.codes.shape == (1, 2, 2, 64, 8) and q.scale.shape == (1, 2, 2, 64, 1)
-    # a constant channel inside a block is reproduced exactly (scale floor aside)
-    x[..., :32, 5] = 0.25
-    y = dequantize_rows(quantize_rows(x, lq, "k"), lq, "k")
-    assert torch.allclose(y[..., :32, 5], torch.full_like(y[..., :32, 5], 0.25), atol=1e-3)
-
-
-def test_per_head_clip_broadcasts():
-    r = torch.linalg.qr(torch.randn(2, 64, 64))[0]
-    lq = LayerQuant(2, 64, r, r, torch.tensor([1.0, 0.5]), torch.tensor([1.0, 0.5]))
-    x = torch.randn(1, 2, 8, 64)
-    q = quantize_rows(x, lq, "k")
-    span = q.scale.float() * 3
-    xr = x @ r
-    full = xr.amax(-1) - xr.amin(-1)
-    assert torch.allclose(span[0, 0, :, 0], full[0, 0], rtol=2e-3)
-    assert torch.allclose(span[0, 1, :, 0], 0.5 * full[0, 1], rtol=2e-3)
-
-
-def test_bits_per_element_formula():
-    win = QuantScheme(sink=16, recent=64)
-
-    def bpe(name):
-        m = get_method(name)
-        return bits_per_element(m, scheme_for(m, 64, windows=win), 1000, 64)
-
-    # 1000 tokens, sink 16, recent 64 -> 920 quantized at 2 + 32/64 bits, 80 exact at 16 bits
-    assert bpe("int2-naive") == pytest.approx((920 * 2.5 + 80 * 16) / 1000)
-    assert bpe("int4-naive") == pytest.approx((920 * 4.5 + 80 * 16) / 1000)
-    assert bpe("bf16") == 16
-    # KIVI: sink 0, residual 128, blocks of 32: 1000-128 = 872 -> 864 quantized at 3 bits
-    assert bpe("int2-kivi") == pytest.approx((864 * 3 + 136 * 16) / 1000)
-    assert quantized_count(10, 4, 8, 1) == 0 and quantized_count(100, 4, 8, 32) == 64

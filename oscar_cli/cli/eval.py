@@ -1,13 +1,15 @@
 """``oscar eval``: accuracy of KV-cache methods on perplexity and lm-eval tasks, stored in the ``evals`` table.
 
 The command parses flags (over a recipe's eval section) into an :class:`~oscar_cli.config.EvalConfig`, calls
-:func:`oscar_cli.evaluate.run_eval` and renders the rows; a recipe's thresholds that the rows miss print one line
+:func:`oscar_cli.eval.run.run_eval` and renders the rows; a recipe's thresholds that the rows miss print one line
 each and exit 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -42,22 +44,23 @@ def eval_cmd(
                                                 "oscar-noclip, oscar-int8 (int8-rounded queries over INT2 keys), "
                                                 "oscar-int8-pv (and int8-rounded probabilities over INT2 values), "
                                                 "int4-*, hf-quantized. REF: latest, vN, a path, or "
-                                                "fit:METHOD[+per-head] (newest artifact of that fit method). "
+                                                "fit:ROTATION[+per-head] (newest artifact fitted with that "
+                                                "rotation recipe, see oscar fit --method). "
                                                 "[bf16,int2-naive,int2-hadamard,oscar]")] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help=f"Model spec (see oscar collect). [{DEFAULT_MODEL}]")] = None,
     artifact: Annotated[str | None, typer.Option("--artifact", help="Artifact for oscar methods without @REF: latest, "
                                                  "vN, model/vN or a path. [latest]")] = None,
     sink: Annotated[int | None, typer.Option("--sink", help="Override the scheme's sink (first real tokens kept "
                                              "exact) for every method. [the artifact's; 64 without one]")] = None,
-    recent: Annotated[int | None, typer.Option("--recent", help="Override the scheme's recent window for every "
-                                               "method. [the artifact's; 256 without one]")] = None,
+    recent: Annotated[int | None, typer.Option("--recent", help="Override the scheme's recent (last tokens kept "
+                                               "exact) for every method. [the artifact's; 256 without one]")] = None,
     group: Annotated[int | None, typer.Option("--group", help="Override the quantization group (must divide the head "
                                               "dim). [the scheme's]")] = None,
     bits: Annotated[int | None, typer.Option("--bits", help="Assert the code width; refused when a method runs at "
                                              "another (an artifact runs at the bits it was fitted for).")] = None,
-    limit: Annotated[int | None, typer.Option("--limit", help="Windows per length (oscar_ppl, default 4) / samples "
-                                              "per task.")] = None,
-    seq_lengths: Annotated[str | None, typer.Option("--seq-lengths", help="Token lengths: oscar_ppl windows, "
+    limit: Annotated[int | None, typer.Option("--limit", help="Text segments per length (oscar_ppl, default 4) / "
+                                              "samples per task.")] = None,
+    seq_lengths: Annotated[str | None, typer.Option("--seq-lengths", help="Token lengths: oscar_ppl segments, "
                                                     "RULER/NIAH contexts. [1024]")] = None,
     data: Annotated[Path | None, typer.Option("--data", help="Text file for oscar_ppl (default: built-in held-out "
                                               "text).")] = None,
@@ -128,12 +131,19 @@ def eval_cmd(
         console.print(f"all {len(cfg.thresholds)} recipe thresholds met")
 
 
+@contextlib.contextmanager
+def quiet_stdout():
+    """Libraries under lm-eval print to stdout; keep stdout for results (``--json`` stays parseable)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
 def _run(cfg, store: Path, quiet: bool):
-    from .. import evaluate as ev
+    from ..eval.run import run_eval
     from ._progress import task_progress
 
-    with ev.quiet_stdout(), task_progress("evaluating", quiet) as bar:
-        return ev.run_eval(cfg, store, bar)
+    with quiet_stdout(), task_progress("evaluating", quiet) as bar:
+        return run_eval(cfg, store, bar)
 
 
 def _render(rows: list[dict], json_out: bool, csv: Path | None) -> None:

@@ -6,11 +6,11 @@ from typing import Annotated
 
 import typer
 
-from ..config import FIT_METHODS
+from ..methods import ROTATIONS
 from ._app import DEFAULTS, ArtifactsOpt, JsonOpt, RecipeOpt, StoreOpt, app, guarded, out
 from ._progress import step_progress
 
-METHOD_HELP = "; ".join(f"{m.name}: {m.help}" for m in FIT_METHODS.values())
+ROTATION_HELP = "; ".join(f"{r.name}: {r.help}" for r in ROTATIONS.values())
 
 
 @app.command("fit")
@@ -18,7 +18,7 @@ METHOD_HELP = "; ".join(f"{m.name}: {m.help}" for m in FIT_METHODS.values())
 def fit(
     run: Annotated[str, typer.Option("--run", help="Run id or 'latest' (newest complete run).")] = "latest",
     layers: Annotated[str | None, typer.Option(help="'all' or a list like 0-5,9; other layers stay BF16.")] = None,
-    method: Annotated[str | None, typer.Option(help=f"Rotation method. {METHOD_HELP}. [oscar]")] = None,
+    method: Annotated[str | None, typer.Option(help=f"Rotation recipe. {ROTATION_HELP}. [oscar]")] = None,
     per_head: Annotated[bool | None, typer.Option("--per-head/--shared", help="One rotation per KV head instead of one per layer.")] = None,
     fit_clip: Annotated[bool | None, typer.Option("--fit-clip/--no-clip", help="Fit clip ratios on held-out rows (else plain min/max).")] = None,
     bits: Annotated[int | None, typer.Option(help="Code width the clip ratios are fitted for: 2 or 4 (the scheme's; "

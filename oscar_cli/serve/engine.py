@@ -55,7 +55,7 @@ class EngineStopped(EngineError):
 class KVSetup:
     """A model in its serving state. ``new_cache()`` returns a fresh cache for one request, ``cache_kwarg`` the
     keyword that passes it to ``forward``; ``method`` is the method label; ``scheme`` is the artifact's
-    ``QuantScheme.to_dict()`` (None for ``bf16``); ``prepared`` is the :class:`oscar_cli.evaluate.Prepared` state
+    ``QuantScheme.to_dict()`` (None for ``bf16``); ``prepared`` is the :class:`oscar_cli.prepare.Prepared` state
     the caches are built from (what ``oscar eval``'s perplexity takes)."""
 
     method: str
@@ -72,8 +72,8 @@ def kv_setup(model, artifact) -> KVSetup:
     :class:`~oscar_kernels.scheme.QuantScheme`: bits, group, sink, recent) or None (``bf16``: an exact
     :class:`OscarCache`)."""
     from ..cache import cache_kwarg, make_cache
-    from ..evaluate import head_dim_of, prepare
     from ..methods import get_method, scheme_for
+    from ..prepare import head_dim_of, prepare
 
     head_dim = head_dim_of(model.config)
     if artifact is None:

@@ -6,16 +6,17 @@ registry accepts ``importlib.metadata.EntryPoint`` placeholders, but no code fil
 ``--include_path`` indexes task YAML only (their ``!function`` references resolve after the model is built). So:
 
 * ``pyproject.toml`` declares the model in the entry-point group :data:`ENTRY_POINT_GROUP`:
-  ``oscar = "oscar_cli.evaluate:OscarLM"``;
+  ``oscar = "oscar_cli.eval.lm_eval_model:OscarLM"``;
 * a one-line startup file :data:`PTH_NAME` in site-packages (``python -m oscar_cli.serve.lm_eval_plugin install``)
   calls :func:`install_hook`, which waits for ``lm_eval.api.registry`` to be imported and then registers every entry
   point of that group as a lazy placeholder (the registry's documented lazy mechanism). Until lm-eval asks for the
   model nothing else is imported: the startup cost is one dictionary lookup per import.
 
-The placeholder is exactly ``<module>:<class>`` of the class :func:`oscar_cli.evaluate.oscar_lm_class` registers, so
-when ``oscar eval`` registers it in the same process the registry upgrades the placeholder in place instead of
-refusing a second registration. ``oscar_cli.evaluate`` builds that class on first use (importing lm-eval's ``HFLM``
-is slow) through its module ``__getattr__``.
+The placeholder is exactly ``<module>:<class>`` of the class :func:`oscar_cli.eval.lm_eval_model.oscar_lm_class`
+registers, so when ``oscar eval`` registers it in the same process the registry upgrades the placeholder in place
+instead of refusing a second registration. ``oscar_cli.eval.lm_eval_model`` builds that class on first use (importing
+lm-eval's ``HFLM`` is slow) through its module ``__getattr__``. This module imports nothing of it: it only names the
+entry point.
 
 Import-light on purpose (standard library only): every interpreter of the environment imports it at startup.
 """

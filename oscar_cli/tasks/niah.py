@@ -4,14 +4,14 @@ Each sample hides "The special magic number for <key> is <7 digits>." at a relat
 :func:`oscar_cli.data.heldout_text` to the target token length, then asks for the number. Score: 1 when the number
 appears in the answer. Metadata: ``max_seq_lengths`` (token lengths), ``depths`` (default 0.1 .. 0.9),
 ``num_samples`` (samples per length, spread over the depths; ``--limit``), ``tokenizer`` (a name registered in
-``ruler_offline.TOKENIZERS`` or loadable by name).
+:data:`oscar_cli.tasks.TOKENIZERS` or loadable by name).
 """
 
 from __future__ import annotations
 
 import random
 
-from oscar_cli.tasks.ruler_offline import SEQ_LENGTHS, _tokenizer
+from oscar_cli.tasks.ruler_offline import SEQ_LENGTHS, load_tokenizer
 from oscar_cli.tasks.ruler_offline import aggregate_metrics as aggregate_metrics  # noqa: F401  (used by the yaml)
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -27,7 +27,7 @@ def grid(**kwargs):
     lengths = [int(n) for n in kwargs.pop("max_seq_lengths", [4096])]
     depths = [float(d) for d in kwargs.pop("depths", DEPTHS)]
     num = int(kwargs.pop("num_samples", len(depths)) or len(depths))
-    tok = _tokenizer(kwargs)
+    tok = load_tokenizer(kwargs)
     hay = tok(heldout_text(), add_special_tokens=False)["input_ids"]
     rng = random.Random(0)
     rows = []

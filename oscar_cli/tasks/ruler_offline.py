@@ -13,7 +13,9 @@ import itertools
 SEQ_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
-def _tokenizer(kwargs: dict):
+def load_tokenizer(kwargs: dict):
+    """The tokenizer a task's metadata names (``tokenizer`` or ``pretrained``): the loaded one registered in
+    :data:`oscar_cli.tasks.TOKENIZERS` under that name, else lm-eval's RULER loader by name."""
     from lm_eval.tasks.ruler.common_utils import get_tokenizer, resolve_tokenizer_name
 
     from oscar_cli.tasks import TOKENIZERS
@@ -52,7 +54,7 @@ def _build(kwargs: dict, haystack: str, needle_v: str, **extra):
     kwargs = dict(kwargs)
     seq_lengths = kwargs.pop("max_seq_lengths", [4096])
     num = int(kwargs.pop("num_samples", 500) or 500)
-    tok = _tokenizer(kwargs)
+    tok = load_tokenizer(kwargs)
     rows = itertools.chain.from_iterable(
         generate_samples(get_haystack(type_haystack=haystack), max_seq_length=int(seq), template=TEMPLATE,
                          type_haystack=haystack, type_needle_k="words", type_needle_v=needle_v,

@@ -88,7 +88,7 @@ def test_server_info_reads_what_sglang_serves(word_artifact, tmp_path):
     import json
 
     from oscar_cli.artifact import load_artifact
-    from oscar_cli.evaluate import server_info
+    from oscar_cli.eval.remote import server_info
 
     art = load_artifact(word_artifact)
     over = json.dumps({"oscar": {"artifact": str(word_artifact), "anchors": 64}})

@@ -10,6 +10,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from oscar_cli.eval.lm_eval_model import ENTRY_POINT
 from oscar_cli.serve import lm_eval_plugin as plugin
 
 
@@ -31,24 +32,24 @@ def site_dir(tmp_path):
 
 def test_the_entry_point_is_installed():
     eps = {ep.name: ep.value for ep in entry_points(group=plugin.ENTRY_POINT_GROUP)}
-    assert eps.get("oscar") == "oscar_cli.evaluate:OscarLM", \
+    assert eps.get("oscar") == ENTRY_POINT, \
         "the installed metadata lacks the entry point: reinstall with pip install --no-deps -e ."
 
 
 def test_registry_lookup_as_the_cli_does_it(site_dir, tmp_path):
     code = """
-assert "oscar_cli.evaluate" not in sys.modules and "lm_eval" not in sys.modules
+assert "oscar_cli.eval" not in sys.modules and "lm_eval" not in sys.modules
 import lm_eval.api.registry as r
-assert "oscar_cli.evaluate" not in sys.modules  # registered lazily: nothing of oscar imported yet
+assert "oscar_cli.eval" not in sys.modules  # registered lazily: nothing of oscar's evaluation imported yet
 placeholder = dict(r.model_registry.items())["oscar"]
 cls = r.get_model("oscar")  # what simple_evaluate calls for --model oscar
 from lm_eval.models.huggingface import HFLM
-import oscar_cli.evaluate as ev
+import oscar_cli.eval.lm_eval_model as ev
 print(placeholder, cls.__name__, issubclass(cls, HFLM), ev.oscar_lm_class() is cls)
 """
     r = run_python(code, str(site_dir), tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ["oscar_cli.evaluate:OscarLM", "OscarLM", "True", "True"]
+    assert r.stdout.split() == [ENTRY_POINT, "OscarLM", "True", "True"]
 
 
 def test_oscar_eval_registration_upgrades_the_placeholder():
@@ -56,12 +57,12 @@ def test_oscar_eval_registration_upgrades_the_placeholder():
     registry replaces the placeholder in place instead of refusing a second registration."""
     from lm_eval.api.registry import Registry
 
-    from oscar_cli.evaluate import oscar_lm_class
+    from oscar_cli.eval.lm_eval_model import oscar_lm_class
 
     reg = Registry("model")
     assert plugin.register(reg) == ["oscar"] and plugin.register(reg) == []
     cls = oscar_lm_class()
-    reg.register("oscar")(cls)  # what @register_model("oscar") in oscar_cli.evaluate does
+    reg.register("oscar")(cls)  # what @register_model("oscar") in oscar_cli.eval.lm_eval_model does
     assert dict(reg.items())["oscar"] is cls and reg.get("oscar") is cls
 
 
@@ -110,7 +111,7 @@ metric_list:
             f"pretrained={word_model},method=bf16,store={serve_store}", "--tasks", "oscar_probe",
             "--include_path", str(tasks), "--output_path", str(out), "--log_samples", "--batch_size", "1"]
     code = f"""
-assert "oscar_cli.evaluate" not in sys.modules
+assert "oscar_cli.eval" not in sys.modules
 from lm_eval.__main__ import cli_evaluate
 sys.argv = {argv!r}
 cli_evaluate()
