@@ -80,9 +80,9 @@ def main() -> None:
 
     from oscar_cli.artifact import load_artifact
     from oscar_cli.cache import OscarCache, cache_kwarg
-    from oscar_cli.evaluate import head_dim_of, prepare
     from oscar_cli.methods import get_method, scheme_for
     from oscar_cli.models import load_model
+    from oscar_cli.prepare import head_dim_of, prepare
 
     loaded = random_model(Path(args.model)) if args.random_weights else load_model(
         args.model, args.store, dtype=torch.bfloat16, device="cuda")

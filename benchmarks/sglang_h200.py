@@ -100,10 +100,10 @@ def engine_outputs(model: Path, store: Path, artifact: Path | None, prompts: Pat
 
 def run_engine(args) -> None:
     """Greedy completions of the prompts, then the perplexity of the held-out windows decoded token by token through
-    the same engine's cache (``oscar eval --decode``'s computation: ``oscar_cli.evaluate.perplexity``)."""
+    the same engine's cache (``oscar eval --decode``'s computation: ``oscar_cli.eval.perplexity.perplexity``)."""
     import torch
 
-    from oscar_cli.evaluate import perplexity
+    from oscar_cli.eval.perplexity import perplexity
     from oscar_cli.serve.engine import SamplingParams, TransformersEngine
 
     eng = TransformersEngine.load(str(args.model), Path(args.store), Path(args.artifact) if args.artifact else None)
@@ -134,9 +134,9 @@ def make_prompts(model: Path, work: Path) -> tuple[Path, list[list[int]], list[i
     path = work / "prompts.json"
     path.write_text(json.dumps(prompts))
     from oscar_cli.data import heldout_text
-    from oscar_cli.evaluate import token_ids, windows_of
+    from oscar_cli.eval.segments import segments_of, token_ids
 
-    windows = windows_of(token_ids(tok, heldout_text()), PPL_SEQ_LEN, PPL_WINDOWS)
+    windows = segments_of(token_ids(tok, heldout_text()), PPL_SEQ_LEN, PPL_WINDOWS)
     (work / "ppl_windows.json").write_text(json.dumps(windows.tolist()))
     return path, prompts, prefix, suffixes
 
@@ -182,7 +182,7 @@ def server_perplexity(srv: Server, work: Path) -> float:
     """``oscar eval --server``'s perplexity (prompt logprobs) of the held-out windows, against this server."""
     import torch
 
-    from oscar_cli.evaluate import perplexity_via_server, server_info
+    from oscar_cli.eval.remote import perplexity_via_server, server_info
 
     windows = torch.tensor(json.loads((work / "ppl_windows.json").read_text()))
     return perplexity_via_server(server_info(srv.url), windows)

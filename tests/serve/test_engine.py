@@ -104,8 +104,8 @@ def test_artifact_prompt_logprobs_are_decode_equivalent(word_model, serve_store,
     """Through the artifact's cache the prefill sees what the decode-equivalent attention gives a decoder (INT2
     beyond sink 4 / recent 8): equal to oscar's teacher-forced scoring, and different from bf16."""
     from oscar_cli.artifact import load_artifact
-    from oscar_cli.evaluate import head_dim_of, prepare
     from oscar_cli.methods import get_method, scheme_for
+    from oscar_cli.prepare import head_dim_of, prepare
 
     eng = load_engine(word_model, serve_store, word_artifact)
     try:

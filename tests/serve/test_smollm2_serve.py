@@ -16,9 +16,9 @@ CONTEXT = ("The Seine is a river in northern France. It flows through Paris, the
 @pytest.mark.slow
 def test_smollm2_with_artifact_through_the_openai_client(embedded_store, embedded_artifact):
     from oscar_cli.artifact import load_artifact
-    from oscar_cli.evaluate import head_dim_of, prepare
     from oscar_cli.methods import get_method, scheme_for
     from oscar_cli.models import load_model
+    from oscar_cli.prepare import head_dim_of, prepare
 
     srv = Server(load_engine("smollm2-135m", embedded_store, embedded_artifact))
     eng, client = srv.engine, srv.client()
