@@ -137,7 +137,11 @@ def test_entry_point_is_declared_and_callable(monkeypatch):
     assert eps == {"oscar": "oscar_cli.serve.sglang:register",
                    "oscar_bench_fill": "oscar_cli.serve.sglang.bench_fill:register"}
     assert meta["project"]["optional-dependencies"]["serve"] == [SPEC]
-    assert "oscar_cli.serve.sglang" in meta["tool"]["setuptools"]["packages"]
+    find = meta["tool"]["setuptools"]["packages"]["find"]  # the wheel holds the plugin package
+    from setuptools import find_packages
+
+    found = {p for where in find["where"] for p in find_packages(ROOT / where, include=find["include"])}
+    assert {"oscar_cli.serve.sglang", "oscar_kernels"} <= found
     from oscar_cli.serve import sglang
     from oscar_cli.serve.sglang import bench_fill
 
