@@ -239,6 +239,13 @@ def test_plan_lists_follow_design_p():
     assert ref["bf16_loc"].tolist() == bloc and ref["qo_indptr"].tolist() == [0, 7, 16, 17]
 
 
+def _assert_distinct_rows(loc: torch.Tensor) -> None:
+    """The exact rows one write stores are distinct: the write kernel's programs store them concurrently, so two
+    tokens aimed at one row would race (either could land)."""
+    rows = loc[loc >= 0]
+    assert rows.unique().numel() == rows.numel(), f"a plan aims two tokens at one exact row: {loc.tolist()}"
+
+
 @pytest.mark.parametrize("sink,recent", [(3, 5), (0, 4), (2, 0), (0, 0), (6, 1)])
 def test_plan_lists_match_the_reference(sink, recent):
     """Random batches (request order, left padding, lengths around the windows): the device lists == plan_lists_ref."""
@@ -261,6 +268,7 @@ def test_plan_lists_match_the_reference(sink, recent):
         assert torch.equal(idx.kv_indices[:nk].cpu(), want["kv_indices"])
         assert torch.equal(idx.bf16_indices[:nb].cpu(), want["bf16_indices"])
         assert torch.equal(got["bf16_loc"][:bsz].cpu(), want["bf16_loc"])
+        _assert_distinct_rows(got["bf16_loc"][:bsz])
         c0 = torch.randint(0, ctx - 12, (bsz,), generator=gen)
         m = torch.randint(0, 13, (bsz,), generator=gen)
         ext.plan(eng.req_to_token, req.to(DEVICE), c0.to(DEVICE), m.to(DEVICE),
@@ -274,6 +282,7 @@ def test_plan_lists_match_the_reference(sink, recent):
         assert torch.equal(xi.bf16_indices[:nb].cpu(), want["bf16_indices"])
         assert torch.equal(xi.bf16_pos[:nb].cpu(), want["bf16_pos"])
         assert torch.equal(got["bf16_loc"][:int(m.sum())].cpu(), want["bf16_loc"])
+        _assert_distinct_rows(got["bf16_loc"][:int(m.sum())])
 
 
 def test_decode_equals_extend_of_one_token():
