@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CPU torch wheel is pinned in the same resolve as everything else, so no resolver can swap in a CUDA build.
 DEPS := torch==2.13.0 "lm-eval[hf,ruler]==0.4.13" transformers gguf duckdb typer rich datasets triton \
-        safetensors numpy pyyaml matplotlib pyarrow fastapi uvicorn pytest ruff openai tenacity
+        safetensors numpy pyyaml matplotlib pyarrow fastapi uvicorn pytest pytest-xdist ruff openai tenacity
 
 .PHONY: setup demo test test-slow gpu-test lint bench clean
 
@@ -31,9 +31,12 @@ demo: setup
 	$(BIN)/oscar fit --recipe recipes/smollm2-135m.yaml
 	$(BIN)/oscar inspect latest --plot artifacts/smollm2-135m-inspect.png
 
-# The expensive fixtures (the embedded model converted, its 16k-token artifact) are cached by content in
-# ~/.cache/oscar-kv-tests (OSCAR_TEST_CACHE moves it); SHUFFLE=SEED runs the tests in a random order.
-PYTEST_ARGS = $(if $(SHUFFLE),--shuffle $(SHUFFLE))
+# One pytest worker per core (WORKERS=0: one process; the interpreted kernels are single-threaded Python, so two
+# workers on two cores halve the wall time). The expensive fixtures (the embedded model converted, its 16k-token
+# artifact) are cached by content in ~/.cache/oscar-kv-tests (OSCAR_TEST_CACHE moves it). SHUFFLE=SEED (or random)
+# runs the tests in a random order.
+WORKERS ?= $(shell nproc)
+PYTEST_ARGS = -n $(WORKERS) --dist worksteal $(if $(SHUFFLE),--shuffle $(SHUFFLE))
 
 test: setup
 	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -29,6 +29,8 @@ from helpers import (  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: fail fast instead of retrying the network
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in the interpreter (set before triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # xdist workers share the cores: torch threads of each its share
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 TESTS = Path(__file__).resolve().parent
 GPU_SUITE = ("kernels", "test_cache_kernels.py")
@@ -51,11 +53,18 @@ def pytest_configure(config):
     seed = config.getoption("shuffle")
     if seed is None:
         return
-    if seed == "random":
+    if "shuffle_seed" in getattr(config, "workerinput", {}):  # an xdist worker takes the controller's seed
+        seed = config.workerinput["shuffle_seed"]
+    elif seed == "random":
         seed = str(random.SystemRandom().randrange(10**6))
     if not seed.isdigit():
         raise pytest.UsageError(f"--shuffle takes an integer seed or 'random', not {seed!r}")
     config.option.shuffle = seed
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # pytest-xdist: every worker must collect the same order
+    node.workerinput["shuffle_seed"] = node.config.getoption("shuffle")
 
 
 def pytest_report_header(config):
