@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -21,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("OSCAR_TEST_CACHE")
              or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "oscar-kv-tests")
 """Where :func:`cached_build` keeps what it built (``OSCAR_TEST_CACHE`` moves it; deleting it between runs is safe)."""
+KEEP = 3
+"""Builds kept per name, the most recently used: a new build deletes older ones (each code change makes a new key)."""
 
 
 def load_benchmark(name: str):
@@ -66,6 +69,7 @@ def cached_build(name: str, key: dict, build: Callable[[Path], None]) -> Path:
     folder = CACHE / f"{name}-{digest}"
     done = folder / ".complete"
     if done.is_file():
+        _used_now(done)
         return folder
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / f"{name}-{digest}.lock", "w") as lock:
@@ -79,7 +83,17 @@ def cached_build(name: str, key: dict, build: Callable[[Path], None]) -> Path:
                 if f.is_file() and not f.is_symlink():
                     f.chmod(0o444)
             done.touch()
+            _used_now(done)
+    built = [d for d in CACHE.glob(f"{name}-*") if (d / ".complete").is_file()]
+    for old in sorted(built, key=lambda d: (d / ".complete").stat().st_mtime, reverse=True)[KEEP:]:
+        shutil.rmtree(old, ignore_errors=True)
+        (CACHE / f"{old.name}.lock").unlink(missing_ok=True)
     return folder
+
+
+def _used_now(mark: Path) -> None:
+    t = time.time_ns()  # the fine clock: file times of two quick writes can tie
+    os.utime(mark, ns=(t, t))
 
 
 def copy_files(src: Path, dest: Path, names: Iterable[str] | None = None) -> None:

@@ -33,6 +33,18 @@ def test_cached_build_builds_once_per_key_and_redoes_a_crashed_build(tmp_path, m
     assert not (c / "half.txt").exists() and (c / "out.txt").read_text() == "3"
 
 
+def test_cached_build_keeps_the_most_recently_used_builds(tmp_path, monkeypatch):
+    monkeypatch.setattr(helpers, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(helpers, "KEEP", 2)
+    made = [helpers.cached_build("thing", {"n": n}, lambda f: None) for n in range(2)]
+    helpers.cached_build("thing", {"n": 0}, lambda f: None)  # 0 used after 1
+    other = helpers.cached_build("other", {"n": 0}, lambda f: None)
+    newest = helpers.cached_build("thing", {"n": 2}, lambda f: None)
+    assert made[0].is_dir() and not made[1].exists() and newest.is_dir() and other.is_dir()
+    assert sorted(p.name for p in helpers.CACHE.glob("*.lock")) == sorted(
+        f"{d.name}.lock" for d in (made[0], newest, other))
+
+
 def test_tree_digest_follows_content_and_names(tmp_path):
     src = tmp_path / "pkg"
     (src / "__pycache__").mkdir(parents=True)
