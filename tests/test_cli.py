@@ -25,7 +25,7 @@ def one_line_error(result, pattern):
 
 
 @pytest.fixture()
-def tiny_store(tmp_path, embedded_store, tiny_model_dir):
+def tiny_store(tmp_path, tiny_model_dir):
     store = tmp_path / "store"
     r = invoke("collect", "--model", tiny_model_dir, "--store", store, *TINY)
     assert r.exit_code == 0, r.output
