@@ -148,7 +148,7 @@ line="GPU suite: $verdict"
 [ "$steps" != tests ] && [ ${#passed[@]} -gt 0 ] && line+="; passed: $(join "${passed[@]}")"
 [ ${#skipped[@]} -gt 0 ] && line+="; skipped: $(join "${skipped[@]}")"
 line+=" in $(( $(date +%s) - T0 )) s (${CARD:-no CUDA device}, commit $SUITE_COMMIT${SEED:+, --shuffle $SEED})"
-if [ -n "$CARD" ]; then  # a run without a GPU is no GPU suite run: nothing to record
+if [ -n "$CARD" ] && [[ " $steps " == *" tests "* ]]; then  # only a run of the tests (on a GPU) is a suite run
   python3 - benchmarks/RESULTS.md "$line" <<'PY'
 import datetime, sys
 from pathlib import Path
