@@ -66,6 +66,10 @@ kernels hold the exact (sink, recent) rows in bf16: two bf16 steps (2^-8) bound 
 LOGITS_TOL = 1.5e-2
 """The logits after both layers: layer 0's bf16 differences move layer 1's rows, and a few of its INT2 codes flip
 (measured up to ~1e-2); an off-by-one sink or recent moves them by ~5e-2."""
+GENERATE_TOLS = (2e-2, 1e-2)
+"""(logits, layer-0 output) bounds of a 20-step generation through a pool that grows twice: on a GPU its decode steps
+run the kernels' fp16/bf16 tensor-core products, whose relative output error the kernel tests bound by 1e-2. A cache
+keeping one recent row fewer moves them by ~6e-2 from the first step (measured on the CPU)."""
 
 
 def steps_and_layer0(model, cache, x, mask, chunks, decode_steps):
@@ -144,14 +148,14 @@ def test_pool_grows_and_generate_runs_through_the_kernels(monkeypatch):
     def disagreement(run) -> list[tuple[int, float, float]]:
         """The steps that break agreement with the reference, as (step, logits rel, layer-0 rel): the generated tokens
         (the prompt is not counted) equal the reference's up to the first that differs, and every step up to it (same
-        inputs in both) has its logits within LOGITS_TOL and its layer-0 attention output within LAYER0_TOL of the
-        reference's: a different token only where bf16 rounding can reorder a near tie; after it the contexts differ
-        and nothing more is compared."""
+        inputs in both) has its logits and its layer-0 attention output within GENERATE_TOLS of the reference's: a
+        different token only where rounding can reorder a near tie; after it the contexts differ and nothing more is
+        compared."""
         new_ref, new = ref.sequences[0, 12:], run.sequences[0, 12:]
         flips = (new_ref != new).nonzero().flatten().tolist()
         upto = flips[0] + 1 if flips else new.numel()
         errs = [(i, rel(run.logits[i], ref.logits[i]), rel(run.layer0[i], ref.layer0[i])) for i in range(upto)]
-        return [(i, round(lg, 5), round(l0, 5)) for i, lg, l0 in errs if lg >= LOGITS_TOL or l0 >= LAYER0_TOL]
+        return [(i, round(lg, 5), round(l0, 5)) for i, lg, l0 in errs if lg >= GENERATE_TOLS[0] or l0 >= GENERATE_TOLS[1]]
 
     assert torch.equal(got.sequences[0, :12], x[0]) and got.sequences.shape == ref.sequences.shape == (1, 32)
     assert disagreement(got) == []
