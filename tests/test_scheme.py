@@ -1,7 +1,8 @@
-"""QuantScheme: the one definition of the storage scheme (defaults, validation, resolution, strict parsing)."""
+"""QuantScheme (how rows are stored) and DecodeOptions (how the decode kernel reads them): defaults, validation,
+resolution, strict parsing."""
 
 import pytest
-from oscar_kernels.scheme import QuantScheme, SchemeError
+from oscar_kernels.scheme import DecodeOptions, DecodeOptionsError, QuantScheme, SchemeError
 
 
 def test_defaults_and_resolution():
@@ -41,3 +42,35 @@ def test_strict_parse():
         QuantScheme.from_dict({"bitz": 2})
     with pytest.raises(SchemeError, match="must be a mapping"):
         QuantScheme.from_dict([2])
+
+
+def test_decode_options_round_trip_their_command_line_and_json_forms():
+    assert DecodeOptions().describe() == "" and DecodeOptions().to_dict() == {} and DecodeOptions().exact
+    o = DecodeOptions.parse("split_tokens=4096, int8_scores=true,lean_tiles=false")
+    assert o == DecodeOptions(int8_scores=True, split_tokens=4096) and not o.exact
+    assert o.describe() == "int8_scores=true,split_tokens=4096"  # field order, defaults left out
+    assert DecodeOptions.parse(o.describe()) == o and DecodeOptions.from_dict(o.to_dict()) == o
+    assert DecodeOptions.parse("movmatrix=true", base=o) == DecodeOptions(int8_scores=True, movmatrix=True,
+                                                                          split_tokens=4096)
+    assert DecodeOptions(lean_tiles=True, movmatrix=True, num_stages=3).exact  # launch tuning keeps the numerics
+    assert DecodeOptions(max_registers=0).max_registers == 0  # 0: no register cap
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("int8_scores", "expected KEY=VALUE"), ("warp_size=4", "expected KEY=VALUE"),
+    ("lean_tiles=yes", "takes true or false"), ("split_tokens=-1", "non-negative integer"),
+    ("split_tokens=0", "positive integer"), ("num_stages=2,num_stages=3", "given twice"),
+])
+def test_decode_options_refuse_bad_command_lines_in_one_line(spec, match):
+    with pytest.raises(DecodeOptionsError, match=match) as e:
+        DecodeOptions.parse(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_decode_options_from_dict_is_strict():
+    with pytest.raises(DecodeOptionsError, match="unknown key"):
+        DecodeOptions.from_dict({"int8_score": True})
+    with pytest.raises(DecodeOptionsError, match="true or false"):
+        DecodeOptions.from_dict({"int8_values": 1})
+    with pytest.raises(DecodeOptionsError, match="must be an object"):
+        DecodeOptions.from_dict(["int8_values"])
