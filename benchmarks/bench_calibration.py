@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     append_section(args.results, "Calibration at scale (collect + fit)", device_name(args.device),
                    args.commit or code_version(),
                    f"{arch} model with random weights ({size} parameters; {s.n_layers} layers, {s.n_heads} query / "
-                   f"{s.n_kv_heads} KV heads, d {s.head_dim}), the built-in corpus in windows of {args.seq_len} tokens, "
+                   f"{s.n_kv_heads} KV heads, d {s.head_dim}), the built-in corpus in segments of {args.seq_len} tokens, "
                    f"{args.batch_size} per batch, library entry points of `oscar collect` and "
                    f"`oscar fit{' --per-head' if args.per_head else ''}` into a fresh store; s/batch: median time "
                    "between persisted batches; checkpoint every: batches per store transaction (accumulators and "

@@ -112,7 +112,7 @@ class Reservoir:
 
 def run_batches(
     loaded: LoadedModel,
-    windows: torch.Tensor,
+    segments: torch.Tensor,
     cfg: CollectConfig,
     acc: StatsAccumulator,
     reservoir: Reservoir,
@@ -124,10 +124,10 @@ def run_batches(
     is called after each batch's statistics are in ``acc`` (the caller persists them)."""
     model = loaded.model
     B, T = cfg.batch_size, cfg.seq_len
-    n_batches = -(-windows.shape[0] // B)
+    n_batches = -(-segments.shape[0] // B)
     pos = torch.arange(T)
     for b in range(start_batch, n_batches):
-        ids = windows[b * B : (b + 1) * B]
+        ids = segments[b * B : (b + 1) * B]
         pri = reservoir.batch_priorities(b, tuple(ids.shape))
         valid = (pos >= cfg.skip).expand(ids.shape[0], T)
         keep, threshold = reservoir.admit(pri, valid)
@@ -142,22 +142,22 @@ def run_batches(
 
 
 
-def prepare_windows(loaded: LoadedModel, cfg: CollectConfig) -> torch.Tensor:
-    """The calibration token windows ``[ceil(tokens / seq_len), seq_len]`` (raises DataError on bad data)."""
+def prepare_segments(loaded: LoadedModel, cfg: CollectConfig) -> torch.Tensor:
+    """The calibration token segments ``[ceil(tokens / seq_len), seq_len]`` (raises DataError on bad data)."""
     from . import data as data_mod
 
     if cfg.skip >= cfg.seq_len:
         raise data_mod.DataError(f"--seq-len {cfg.seq_len} must exceed the {cfg.skip} skipped sink positions")
     docs = data_mod.load_documents(cfg.data)
-    return data_mod.token_windows(loaded.tokenizer, docs, cfg.seq_len, cfg.num_sequences)
+    return data_mod.token_segments(loaded.tokenizer, docs, cfg.seq_len, cfg.num_sequences)
 
 
-def resumable_run(store, loaded: LoadedModel, cfg: CollectConfig, windows: torch.Tensor):
+def resumable_run(store, loaded: LoadedModel, cfg: CollectConfig, segments: torch.Tensor):
     """The newest unfinished run with this model, data and batching; raises if there is none."""
     from . import data as data_mod
     from .store import StoreError
 
-    run = store.find_resumable(loaded.fingerprint, data_mod.digest(windows), cfg.seq_len, cfg.batch_size)
+    run = store.find_resumable(loaded.fingerprint, data_mod.digest(segments), cfg.seq_len, cfg.batch_size)
     if run is None:
         raise StoreError("nothing to resume: no unfinished run with this model, data, --seq-len and "
                          "--batch-size; drop --resume to start a new run")
@@ -166,7 +166,7 @@ def resumable_run(store, loaded: LoadedModel, cfg: CollectConfig, windows: torch
 
 def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = False,
               progress: Callable[[int, int], None] | None = None, device: str = "cpu",
-              windows: torch.Tensor | None = None) -> int:
+              segments: torch.Tensor | None = None) -> int:
     """Collect statistics for ``loaded`` into ``store``; returns the run id.
 
     ``progress(tokens_done, tokens_total)`` is called after every persisted batch. With ``resume`` the newest
@@ -175,13 +175,13 @@ def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = 
     from . import data as data_mod
 
     shape = attention_shape(loaded.config)
-    if windows is None:
-        windows = prepare_windows(loaded, cfg)
-    n_batches = -(-windows.shape[0] // cfg.batch_size)
+    if segments is None:
+        segments = prepare_segments(loaded, cfg)
+    n_batches = -(-segments.shape[0] // cfg.batch_size)
     acc = StatsAccumulator(shape, skip=cfg.skip)
     reservoir = Reservoir(cfg.reservoir, cfg.seed)
     if resume:
-        run = resumable_run(store, loaded, cfg, windows)
+        run = resumable_run(store, loaded, cfg, segments)
         store.claim_run(run)
         run_id, start = run.run_id, run.batches_done
         if start:
@@ -192,12 +192,12 @@ def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = 
     else:
         run_id = store.create_run(
             model_slug=loaded.slug, model_fingerprint=loaded.fingerprint, data_spec=cfg.data,
-            data_digest=data_mod.digest(windows), tokens=int(windows.numel()), seq_len=cfg.seq_len,
+            data_digest=data_mod.digest(segments), tokens=int(segments.numel()), seq_len=cfg.seq_len,
             batch_size=cfg.batch_size, num_batches=n_batches, config=dataclasses.asdict(cfg),
             shape=dataclasses.asdict(shape),
         )
         start = 0
-    total = int(windows.numel())
+    total = int(segments.numel())
     done = [start * cfg.batch_size * cfg.seq_len]
     every = cfg.checkpoint_every or max(1, -(-acc.nbytes // CHECKPOINT_BYTES))
     pending: dict = {}  # reservoir rows admitted since the last checkpoint
@@ -221,7 +221,7 @@ def calibrate(loaded: LoadedModel, cfg: CollectConfig, store, *, resume: bool = 
     if progress is not None:
         progress(done[0], total)
     try:
-        run_batches(loaded, windows, cfg, acc, reservoir, start, persist, device=device)
+        run_batches(loaded, segments, cfg, acc, reservoir, start, persist, device=device)
     except BaseException:
         with contextlib.suppress(Exception):
             store.set_status(run_id, "interrupted")

@@ -9,8 +9,8 @@
 * ``PATH.txt``: one document (the whole file).
 * ``PATH.jsonl``: one document per line, either a JSON string or an object with a ``"text"`` field.
 
-Documents are tokenized, joined with the tokenizer's EOS token, and cut into ``seq_len`` windows in order; a
-calibration run uses the first ``ceil(tokens / seq_len)`` windows, so the same data, tokenizer and settings always
+Documents are tokenized, joined with the tokenizer's EOS token, and cut into ``seq_len`` segments in order; a
+calibration run uses the first ``ceil(tokens / seq_len)`` segments, so the same data, tokenizer and settings always
 give the same batches (which is what makes ``--resume`` exact).
 """
 
@@ -100,11 +100,11 @@ def load_documents(spec: str) -> list[str]:
     return docs
 
 
-def token_windows(tokenizer, docs: list[str], seq_len: int, n_windows: int) -> torch.Tensor:
-    """Tokenize and cut into ``n_windows`` windows of ``seq_len`` tokens: int64 ``[n_windows, seq_len]``."""
+def token_segments(tokenizer, docs: list[str], seq_len: int, n_segments: int) -> torch.Tensor:
+    """Tokenize and cut into ``n_segments`` segments of ``seq_len`` tokens: int64 ``[n_segments, seq_len]``."""
     eos = tokenizer.eos_token_id
     ids: list[int] = []
-    need = seq_len * n_windows
+    need = seq_len * n_segments
     for d in docs:
         ids.extend(tokenizer(d, add_special_tokens=False)["input_ids"])
         if eos is not None:
@@ -117,9 +117,9 @@ def token_windows(tokenizer, docs: list[str], seq_len: int, n_windows: int) -> t
             f"the data holds {len(ids)} tokens, fewer than the {need} asked for; "
             f"lower --tokens to at most {have} or give more text"
         )
-    return torch.tensor(ids[:need], dtype=torch.int64).view(n_windows, seq_len)
+    return torch.tensor(ids[:need], dtype=torch.int64).view(n_segments, seq_len)
 
 
-def digest(windows: torch.Tensor) -> str:
-    """sha256 of the token ids actually used (captures text, tokenizer and windowing)."""
-    return "sha256:" + hashlib.sha256(windows.numpy().tobytes()).hexdigest()[:32]
+def digest(segments: torch.Tensor) -> str:
+    """sha256 of the token ids actually used (captures text, tokenizer and segmenting)."""
+    return "sha256:" + hashlib.sha256(segments.numpy().tobytes()).hexdigest()[:32]

@@ -32,7 +32,7 @@ def collect(
 
     import torch
 
-    from ..collect import calibrate, prepare_windows, resumable_run
+    from ..collect import calibrate, prepare_segments, resumable_run
     from ..config import CollectConfig, load_recipe
     from ..models import load_model
     from ..store import Store
@@ -50,12 +50,12 @@ def collect(
     load_documents(cfg.data)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     loaded = load_model(model, store, dtype=dtype, device=device)
-    windows = prepare_windows(loaded, cfg)
+    segments = prepare_segments(loaded, cfg)
     st = Store(store)
     if resume:
-        resumable_run(st, loaded, cfg, windows)  # fail before any progress output
+        resumable_run(st, loaded, cfg, segments)  # fail before any progress output
     with token_progress(f"collect {loaded.slug}") as update:
-        run_id = calibrate(loaded, cfg, st, resume=resume, progress=update, device=device, windows=windows)
+        run_id = calibrate(loaded, cfg, st, resume=resume, progress=update, device=device, segments=segments)
     run = st.get_run(run_id)
     out.print(f"run {run_id}: {run.tokens_done} tokens of {loaded.slug} ({run.model_fingerprint}), "
               f"data {run.data_digest}, stored in {st.path}")
