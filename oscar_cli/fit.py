@@ -181,7 +181,7 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int) -> LayerFit:
 
     # Baselines on the held-out half: identity and Hadamard at plain min/max, Hadamard with its own fitted clip.
     eye = torch.eye(head_dim, dtype=torch.float64).unsqueeze(0)
-    had = rot.data_free_hadamard(head_dim, group)[None]
+    had = rot.data_free(head_dim, group)[None]
     hk, _ = fit_clip(kmetric(fit_half), fit_half, "k", had, cfg.clip_grid, False)
     hv, _ = fit_clip(vmetric(fit_half), fit_half, "v", had, cfg.clip_grid, False)
     one1 = torch.ones(1, dtype=torch.float64)

@@ -19,7 +19,7 @@ from oscar_kernels.scheme import DecodeOptions, QuantScheme
 
 from . import quantizer
 from .methods import KIVI_GROUP, Method, MethodError, Rotation
-from .rotation import HADAMARD_SEED, compose
+from .rotation import data_free
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,7 @@ def data_free_rotation(rotation: Rotation, head_dim: int, group: int) -> torch.T
         raise MethodError(f"rotation {rotation.name} is fitted from calibration statistics; load it from an artifact")
     if rotation.is_identity:
         return None
-    return compose(torch.eye(head_dim, dtype=torch.float64), use_u=False, use_p=rotation.use_p,
-                   use_h=rotation.use_h, group=group, signs_seed=HADAMARD_SEED if rotation.random_signs else None)
+    return data_free(head_dim, group, use_p=rotation.use_p, use_h=rotation.use_h, random_signs=rotation.random_signs)
 
 
 # ----------------------------------------------------------------------------------------------------------------

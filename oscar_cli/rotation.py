@@ -231,11 +231,12 @@ HADAMARD_SEED = 0
 """Seed of the random signs of the data-free Hadamard rotation (fixed so that every artifact, eval and report agree)."""
 
 
-def data_free_hadamard(d: int, group: int) -> torch.Tensor:
-    """The data-free baseline rotation ``S · H`` (random signs seeded by :data:`HADAMARD_SEED`, H block-diagonal with
-    blocks of ``group``): float64 ``[d, d]``."""
-    return compose(torch.eye(d, dtype=torch.float64), use_u=False, use_p=False, use_h=True, group=group,
-                   signs_seed=HADAMARD_SEED)
+def data_free(d: int, group: int, *, use_p: bool = False, use_h: bool = True,
+              random_signs: bool = True) -> torch.Tensor:
+    """A rotation built without statistics, ``[S]·[P]·[H]`` (random signs seeded by :data:`HADAMARD_SEED`, H
+    block-diagonal with blocks of ``group``): float64 ``[d, d]``. The defaults are the data-free baseline ``S · H``."""
+    return compose(torch.eye(d, dtype=torch.float64), use_u=False, use_p=use_p, use_h=use_h, group=group,
+                   signs_seed=HADAMARD_SEED if random_signs else None)
 
 
 def orthogonality_error(r: torch.Tensor) -> float:

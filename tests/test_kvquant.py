@@ -28,7 +28,7 @@ def test_data_free_rotations_are_the_recipes_matrices():
     ``oscar fit --method hadamard`` artifact holds); ``identity`` stores them unrotated."""
     for group in (64, 32):
         r = data_free_rotation(ROTATIONS["hadamard"], 64, group)
-        assert torch.equal(r, rot.data_free_hadamard(64, group))
+        assert torch.equal(r, rot.data_free(64, group))
         lq = build_layer_quants(get_method("int2-hadamard"), QuantScheme(group=group), 2, 64, 2)[0]
         assert torch.equal(lq.r_k[0], r.float()) and torch.equal(lq.r_v[0], r.float())
     assert data_free_rotation(ROTATIONS["identity"], 64, 64) is None and lq_for("int2-naive")[0].r_k is None
