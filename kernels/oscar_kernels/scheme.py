@@ -18,6 +18,7 @@ Pure Python (no torch), so every layer of the project, and the serving engine's 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,7 +234,8 @@ class DecodeOptions:
         except DecodeOptionsError as e:
             raise DecodeOptionsError(f"{flag}: {e}") from None
 
-    def describe(self) -> str:
+    def describe(self, keys: Collection[str] | None = None) -> str:
         """:meth:`parse`'s form of the options that differ from the defaults (``""`` for the defaults), e.g.
-        ``int8_scores=true,split_tokens=4096``."""
-        return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.changed().items())
+        ``int8_scores=true,split_tokens=4096``; with ``keys``, of those options whatever their values (field order)."""
+        items = self.changed() if keys is None else {k: getattr(self, k) for k in self.names() if k in keys}
+        return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items.items())

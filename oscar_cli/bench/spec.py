@@ -206,9 +206,7 @@ def tuning_label(spec: str) -> str:
     :meth:`DecodeOptions.parse` reads them (``"split_tokens=4096, movmatrix=False"`` ->
     ``"movmatrix=false,split_tokens=4096"``); keys given at their default stay (they override a configuration's own
     options). One-line :class:`DecodeOptionsError` for a bad item."""
-    given = DecodeOptions.parse(spec)
-    keys = {item.partition("=")[0].strip() for item in spec.split(",")}
-    return ",".join(f"{k}={json.dumps(getattr(given, k))}" for k in DecodeOptions.names() if k in keys)
+    return DecodeOptions.parse(spec).describe(keys={item.partition("=")[0].strip() for item in spec.split(",")})
 
 
 def tuned(config: EngineConfig, tuning: str) -> EngineConfig:
