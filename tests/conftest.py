@@ -21,7 +21,7 @@ from helpers import (  # noqa: E402
     build_llama,
     cached_build,
     copy_files,
-    file_digest,
+    sha256_file,
     tree_digest,
     versions,
 )
@@ -100,7 +100,7 @@ def _gguf() -> Path:
 def _model_key() -> dict:
     from oscar_cli import models
 
-    return {"gguf": file_digest(_gguf()), "converter": file_digest(Path(inspect.getsourcefile(models.resolve))),
+    return {"gguf": sha256_file(_gguf()), "converter": sha256_file(Path(inspect.getsourcefile(models.resolve))),
             "versions": versions("torch", "transformers", "gguf", "safetensors")}
 
 
@@ -133,7 +133,7 @@ def embedded_tokenizer() -> Path:
         gguf = _gguf()
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder))
 
-    key = {"gguf": file_digest(_gguf()), "build": inspect.getsource(build),
+    key = {"gguf": sha256_file(_gguf()), "build": inspect.getsource(build),
            "versions": versions("transformers", "tokenizers", "gguf")}
     return cached_build("tokenizer-" + EMBEDDED, key, build)
 

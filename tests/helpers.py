@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from oscar_cli.artifact import sha256_file
+
 EMBEDDED = "smollm2-135m"
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("OSCAR_TEST_CACHE")
@@ -34,15 +36,6 @@ def load_benchmark(name: str):
     return mod
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def tree_digest(*folders: Path) -> str:
     """sha256 over the relative path and bytes of every file under ``folders`` (bytecode caches left out)."""
     h = hashlib.sha256()
@@ -50,7 +43,7 @@ def tree_digest(*folders: Path) -> str:
         for f in sorted(folder.rglob("*")):
             if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
                 h.update(f"{f.relative_to(folder.parent)}\0".encode())
-                h.update(file_digest(f).encode())
+                h.update(sha256_file(f).encode())
     return h.hexdigest()
 
 
