@@ -10,11 +10,12 @@ Every row of the batch is one request of the pool: its position ``p`` lives at s
 * each layer's ``attend`` runs ``plan.run``: the new tokens' INT2 codes and exact rows are written (one launch for K
   and V, per-KV-head clip ratios as a device tensor) and the attention reads the pool directly.
 
-The attention is Design P (see :mod:`oscar_kernels.extend_int2`): the same position-wise sink/recent rows as the
+The attention is Design P (see :mod:`oscar_kernels.extend`): the same position-wise sink/recent rows as the
 reference path and as ``oscar eval``'s teacher-forced attention, so both backends give the same outputs up to the
 kernels' bf16 rounding of exact rows. One :class:`~oscar_kernels.scheme.DecodeOptions` value (the layers'
-``LayerQuant.decode``) goes to the decode plan. The first real token of each row (left padding) is read from the attention mask once, at
-the first call; later steps assume the mask only grows by real tokens (what ``generate`` passes).
+``LayerQuant.decode``) goes to the decode plan. The first real token of each row (left padding) is read from the
+attention mask once, at the first call; later steps assume the mask only grows by real tokens (what ``generate``
+passes).
 
 The pool grows by doubling its per-row capacity (slots are copied once per doubling, amortised O(1) per token).
 """
