@@ -5,7 +5,8 @@ An artifact is a folder ``<root>/<model-slug>/v<N>/`` holding
 * ``rotations.safetensors`` (fp32): ``layers`` int64 ``[n]``; ``r_k``, ``r_v`` ``[n, h, d, d]`` with ``h = 1`` for a
   rotation shared by all KV heads or ``h = kv_heads`` (``--per-head``); ``clip_k``, ``clip_v`` ``[n, h]`` clip ratios;
   ``eig_k``, ``eig_v`` ``[n, h, d]`` descending eigenvalues of the targets the rotations came from (zeros for
-  data-free methods);
+  data-free methods); with fp8 scales (``scheme.scale_dtype``), ``mult_k``, ``mult_v`` ``[n, kv_heads]`` the power-of-two
+  multipliers the scales and zeros are stored in units of;
 * ``manifest.json`` (:class:`Manifest`, schema version 2): model fingerprint, run id, stats and data digests, fit
   method, the quant scheme (:class:`oscar_kernels.scheme.QuantScheme`), code version (package version + git commit),
   created, fit-time metrics and ``content_hash`` (sha256 of ``rotations.safetensors``);
@@ -126,12 +127,15 @@ class Manifest:
 
 @dataclass(frozen=True)
 class LayerRotation:
-    """One layer's rotations. ``r_k``/``r_v``: fp32 ``[h, d, d]``; ``clip_k``/``clip_v``: fp32 ``[h]``."""
+    """One layer's rotations. ``r_k``/``r_v``: fp32 ``[h, d, d]``; ``clip_k``/``clip_v``: fp32 ``[h]`` (for the
+    layer's allocated widths); ``mult_k``/``mult_v``: fp32 ``[kv_heads]`` FP8 metadata multipliers, None for fp16."""
 
     r_k: torch.Tensor
     r_v: torch.Tensor
     clip_k: torch.Tensor
     clip_v: torch.Tensor
+    mult_k: torch.Tensor | None = None
+    mult_v: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,8 @@ class Artifact:
             return None
         i = layers.index(idx)
         t = self.tensors
-        return LayerRotation(t["r_k"][i], t["r_v"][i], t["clip_k"][i], t["clip_v"][i])
+        mult = {k: t[k][i].float() if k in t else None for k in ("mult_k", "mult_v")}
+        return LayerRotation(t["r_k"][i], t["r_v"][i], t["clip_k"][i], t["clip_v"][i], **mult)
 
 
 def sha256_file(path: Path) -> str:
@@ -222,6 +227,15 @@ def _check_tensors(tensors: dict[str, torch.Tensor], m: Manifest, where) -> None
     h = tensors["r_k"].shape[1] if tensors["r_k"].dim() == 4 else -1
     want = {"r_k": (n, h, d, d), "r_v": (n, h, d, d), "clip_k": (n, h), "clip_v": (n, h), "eig_k": (n, h, d),
             "eig_v": (n, h, d), "layers": (n,)}
+    if m.scheme.scale_dtype == "fp8":
+        missing = {"mult_k", "mult_v"} - set(tensors)
+        if missing:
+            raise ArtifactError(f"{where}: the scheme stores fp8 scales but the tensors lack "
+                                f"{', '.join(sorted(missing))}; re-run `oscar fit`")
+        want.update(mult_k=(n, hkv), mult_v=(n, hkv))
+    if m.scheme.bits_k and len(m.scheme.bits_k) != m.shape.n_layers:
+        raise ArtifactError(f"{where}: the scheme allocates widths for {len(m.scheme.bits_k)} layers, the model has "
+                            f"{m.shape.n_layers}; re-run `oscar fit`")
     bad = [k for k, s in want.items() if tuple(tensors[k].shape) != s]
     if h not in (1, hkv) or bad or tensors["layers"].tolist() != list(m.layers):
         raise ArtifactError(f"{where}: tensor shapes do not match the manifest ({n} layers, {hkv} KV heads, head dim "

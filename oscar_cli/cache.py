@@ -42,8 +42,13 @@ from .quantizer import QuantizedRows
 def _cat_rows(a: QuantizedRows | None, b: QuantizedRows) -> QuantizedRows:
     if a is None:
         return b
+    mult = b.mult
+    if a.mult is not None and b.mult is not None and not torch.equal(a.mult, b.mult):
+        # FP8 multipliers taken from each write's rows: keep one per group from here on
+        mult = torch.cat([a.mult.expand(a.scale.shape), b.mult.expand(b.scale.shape)], 2)
     return QuantizedRows(
-        torch.cat([a.codes, b.codes], 2), torch.cat([a.scale, b.scale], 2), torch.cat([a.zero, b.zero], 2), b.bits, b.group
+        torch.cat([a.codes, b.codes], 2), torch.cat([a.scale, b.scale], 2), torch.cat([a.zero, b.zero], 2), b.bits,
+        b.group, mult,
     )
 
 

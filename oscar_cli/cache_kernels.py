@@ -39,8 +39,10 @@ def kernel_ready(lq: LayerQuant | None, scheme: QuantScheme, head_dim: int, devi
         return None
     if lq.key_axis != "token":
         return "per-channel (KIVI) keys"
-    if lq.bits != 2:
-        return f"{lq.bits}-bit codes"
+    if (lq.bits_k, lq.bits_v) != (2, 2):
+        return f"{lq.bits_k}-bit keys and {lq.bits_v}-bit values"
+    if lq.meta != "fp16":
+        return f"{lq.meta} scales"
     if lq.decode.int8_scores:
         return "int8 scores (the kernels' prefill path has no int8 variant; the reference attention emulates it)"
     if lq.decode.int8_values:

@@ -91,7 +91,12 @@ def _default_clip_grid() -> tuple[float, ...]:
 @dataclass(frozen=True)
 class FitConfig:
     """How rotations and clip ratios are fitted from a collected run, and the scheme they are fitted for.
-    ``method``: the rotation recipe, a :data:`oscar_cli.methods.ROTATIONS` name (``oscar fit --method``)."""
+    ``method``: the rotation recipe, a :data:`oscar_cli.methods.ROTATIONS` name (``oscar fit --method``).
+    ``bits_per_element``: the budget (storage bits per quantized element, scale/zero included, averaged over K and V
+    of the fitted layers) that :func:`oscar_cli.sensitivity.allocate` spends on 4-bit layers; None: the scheme's
+    width everywhere. ``sensitivity_tokens``: calibration tokens the sensitivity pass scores through the model
+    (:mod:`oscar_cli.sensitivity`; 0: none, allowed only without a budget above the base width); ``model``: the model
+    to load for it (default: the run's, from the store's converted models or the embedded ones)."""
 
     method: str = "oscar"
     layers: str = "all"
@@ -100,8 +105,16 @@ class FitConfig:
     clip_grid: tuple[float, ...] = field(default_factory=_default_clip_grid)
     seed: int = 0
     scheme: QuantScheme = field(default_factory=QuantScheme)
+    bits_per_element: float | None = None
+    sensitivity_tokens: int = 0
+    model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.bits_per_element is not None and not 1 < self.bits_per_element <= 16:
+            raise ConfigError(f"bits_per_element must lie in (1, 16] bits per quantized element, got "
+                              f"{self.bits_per_element}")
+        if self.sensitivity_tokens < 0:
+            raise ConfigError(f"sensitivity_tokens must be >= 0 (0: no sensitivity pass), got {self.sensitivity_tokens}")
         if self.method not in ROTATIONS:
             raise ConfigError(f"unknown rotation {self.method!r} for fit --method; choose one of {', '.join(ROTATIONS)}")
         if not self.clip_grid or any(not 0 < c <= 1 for c in self.clip_grid):

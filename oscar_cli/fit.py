@@ -21,7 +21,7 @@ import torch
 from . import rotation as rot
 from .config import FitConfig
 from .methods import Rotation
-from .quantizer import fake_quant
+from .quantizer import clip_bounds, fake_quant, meta_multiplier
 
 
 @dataclass
@@ -49,6 +49,9 @@ class LayerData:
 
 @dataclass
 class LayerFit:
+    """One layer's fit. ``clips``: ``{width: (clip_k, clip_v)}`` (``[h]`` float64 each) for every width fitted;
+    ``clip_k``/``clip_v`` are the scheme's base width's."""
+
     r_k: torch.Tensor  # [h, d, d] float64
     r_v: torch.Tensor
     clip_k: torch.Tensor  # [h] float64
@@ -56,39 +59,56 @@ class LayerFit:
     eig_k: torch.Tensor  # [h, d]
     eig_v: torch.Tensor
     metrics: dict = field(default_factory=dict)
+    clips: dict = field(default_factory=dict)
+    data: LayerData | None = None
 
 
 def _heads(r: torch.Tensor, n_heads: int) -> torch.Tensor:
     return r.expand(n_heads, -1, -1) if r.shape[0] == 1 else r
 
 
-def roundtrip(rows: torch.Tensor, r: torch.Tensor, clip: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+def roundtrip(rows: torch.Tensor, r: torch.Tensor, clip: torch.Tensor, bits: int, group: int,
+              meta: str = "fp16") -> torch.Tensor:
     """Quantize rows in the rotated basis and rotate back, for several clip candidates at once.
 
-    rows ``[n, H, d]``; r ``[h, d, d]`` (h = 1 or H); clip ``[C, h]`` -> float64 ``[C, n, H, d]``.
+    rows ``[n, H, d]``; r ``[h, d, d]`` (h = 1 or H); clip ``[C, h]`` -> float64 ``[C, n, H, d]``. FP8 metadata
+    (``meta="fp8"``) is stored in units of one multiplier per candidate and head (:func:`meta_multipliers`).
     """
     H = rows.shape[1]
     r = _heads(r.double(), H)
     clip = clip.double().expand(clip.shape[0], H)
-    x = torch.einsum("nhd,hde->nhe", rows.double(), r)
-    xq = fake_quant(x.unsqueeze(0), clip.view(-1, 1, H, 1), bits=bits, group=group)  # [C, n, H, d]
+    x = torch.einsum("nhd,hde->nhe", rows.double(), r).unsqueeze(0)
+    ratio = clip.view(-1, 1, H, 1)
+    mult = None
+    if meta == "fp8":
+        lo, hi = clip_bounds(x, ratio, group)
+        mult = meta_multiplier((hi - lo) / ((1 << bits) - 1), lo, (1, 3))  # [C, 1, H, 1]
+    xq = fake_quant(x, ratio, bits=bits, group=group, meta=meta, mult=mult)  # [C, n, H, d]
     return torch.einsum("cnhe,hde->cnhd", xq.double(), r)
 
 
-def key_distortion(data: LayerData, r, clip, bits: int, group: int) -> torch.Tensor:
+def meta_multipliers(rows: torch.Tensor, r: torch.Tensor, clip: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """The FP8 metadata multiplier per KV head for rows ``[n, H, d]`` at one clip ``[h]``: float32 ``[H]``."""
+    H = rows.shape[1]
+    x = torch.einsum("nhd,hde->nhe", rows.double(), _heads(r.double(), H))
+    lo, hi = clip_bounds(x, clip.double().expand(H).view(1, H, 1), group)
+    return meta_multiplier((hi - lo) / ((1 << bits) - 1), lo, (0, 2)).view(H).float()
+
+
+def key_distortion(data: LayerData, r, clip, bits: int, group: int, meta: str = "fp16") -> torch.Tensor:
     """Relative logit error D_K per clip candidate and head: clip ``[C, h]`` -> ``[C, H]``."""
     k = data.k_rows.double()
-    dk = k.unsqueeze(0) - roundtrip(k, r, clip, bits, group)
+    dk = k.unsqueeze(0) - roundtrip(k, r, clip, bits, group, meta)
     num = torch.einsum("cnhd,hde,cnhe->ch", dk, data.cq, dk)
     den = torch.einsum("nhd,hde,nhe->h", k, data.cq, k)
     return num / den
 
 
-def value_distortion(data: LayerData, r, clip, bits: int, group: int) -> torch.Tensor:
+def value_distortion(data: LayerData, r, clip, bits: int, group: int, meta: str = "fp16") -> torch.Tensor:
     """Score-weighted relative value error D_V per clip candidate and head: clip ``[C, h]`` -> ``[C, H]``."""
     k, v = data.k_rows.double(), data.v_rows.double()
     w = torch.einsum("nhd,hde,nhe->nh", k, data.cq, k)
-    dv = v.unsqueeze(0) - roundtrip(v, r, clip, bits, group)
+    dv = v.unsqueeze(0) - roundtrip(v, r, clip, bits, group, meta)
     num = (w * dv.pow(2).sum(-1)).sum(1)
     den = (w * v.pow(2).sum(-1)).sum(0)
     return num / den
@@ -157,27 +177,38 @@ def spectrum_summary(evals: torch.Tensor) -> dict:
     return {"top_eighth_energy": (e[:top].sum() / total).item(), "effective_rank": math.exp(entropy)}
 
 
-def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int) -> LayerFit:
-    """Rotations, clip ratios and held-out distortion report for one layer."""
+def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int, widths: tuple[int, ...] = ()) -> LayerFit:
+    """Rotations, clip ratios (for the scheme's width and every width in ``widths``) and held-out distortion report
+    for one layer."""
     q = cfg.scheme
     group = q.group_for(head_dim)
+    meta = q.scale_dtype
     fit_half, held = data.split()
     r_k, r_v, e_k, e_v = fit_rotations(data, cfg.rotation, group, cfg.per_head)
     h = r_k.shape[0]
 
-    def kmetric(half):
-        return lambda r, c: key_distortion(half, r, c, q.bits, group)
+    def kmetric(half, bits=q.bits):
+        return lambda r, c: key_distortion(half, r, c, bits, group, meta)
 
-    def vmetric(half):
-        return lambda r, c: value_distortion(half, r, c, q.bits, group)
+    def vmetric(half, bits=q.bits):
+        return lambda r, c: value_distortion(half, r, c, bits, group, meta)
+
+    def held_out(kind, r, c, bits=q.bits):
+        metric = kmetric(held, bits) if kind == "k" else vmetric(held, bits)
+        return pooled(metric(r, c.view(1, -1)), held, kind).item()
 
     one = torch.ones(h, dtype=torch.float64)
-    if cfg.fit_clip:
-        clip_k, curve_k = fit_clip(kmetric(fit_half), fit_half, "k", r_k, cfg.clip_grid, cfg.per_head)
-        clip_v, curve_v = fit_clip(vmetric(fit_half), fit_half, "v", r_v, cfg.clip_grid, cfg.per_head)
-    else:
-        clip_k, clip_v, curve_k, curve_v = one, one, [], []
-    clip_k, clip_v = clip_k.expand(h).clone(), clip_v.expand(h).clone()
+    clips, curves = {}, {}
+    for bits in dict.fromkeys((q.bits, *widths)):
+        if cfg.fit_clip:
+            ck, curve_k = fit_clip(kmetric(fit_half, bits), fit_half, "k", r_k, cfg.clip_grid, cfg.per_head)
+            cv, curve_v = fit_clip(vmetric(fit_half, bits), fit_half, "v", r_v, cfg.clip_grid, cfg.per_head)
+        else:
+            ck, cv, curve_k, curve_v = one, one, [], []
+        clips[bits] = (ck.expand(h).clone(), cv.expand(h).clone())
+        curves[bits] = (curve_k, curve_v)
+    clip_k, clip_v = clips[q.bits]
+    curve_k, curve_v = curves[q.bits]
 
     # Baselines on the held-out half: identity and Hadamard at plain min/max, Hadamard with its own fitted clip.
     eye = torch.eye(head_dim, dtype=torch.float64).unsqueeze(0)
@@ -185,10 +216,6 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int) -> LayerFit:
     hk, _ = fit_clip(kmetric(fit_half), fit_half, "k", had, cfg.clip_grid, False)
     hv, _ = fit_clip(vmetric(fit_half), fit_half, "v", had, cfg.clip_grid, False)
     one1 = torch.ones(1, dtype=torch.float64)
-
-    def held_out(kind, r, c):
-        metric = kmetric(held) if kind == "k" else vmetric(held)
-        return pooled(metric(r, c.view(1, -1)), held, kind).item()
 
     metrics = {
         f"distortion_{kind}": {
@@ -207,17 +234,40 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int) -> LayerFit:
         "orthogonality_error": max(rot.orthogonality_error(m) for m in (*r_k, *r_v)),
         "held_out_rows": int(held.k_rows.shape[0]),
     })
-    return LayerFit(r_k, r_v, clip_k, clip_v, e_k, e_v, metrics)
+    if len(clips) > 1:
+        metrics["distortion_by_width"] = {
+            str(bits): {kind: held_out(kind, r_k if kind == "k" else r_v, clips[bits][0 if kind == "k" else 1], bits)
+                        for kind in ("k", "v")}
+            for bits in clips
+        }
+    return LayerFit(r_k, r_v, clip_k, clip_v, e_k, e_v, metrics, clips, data)
 
 
-def stack_fits(layers: list[int], fits: list[LayerFit]) -> dict[str, torch.Tensor]:
-    """Artifact tensors (fp32) from per-layer fits."""
-    return {
+def layer_multipliers(f: LayerFit, bits_k: int, bits_v: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 metadata multipliers ``[H]`` of a fitted layer's keys and values at their widths, over all its rows."""
+    return (meta_multipliers(f.data.k_rows, f.r_k, f.clips[bits_k][0], bits_k, group),
+            meta_multipliers(f.data.v_rows, f.r_v, f.clips[bits_v][1], bits_v, group))
+
+
+def stack_fits(layers: list[int], fits: list[LayerFit], scheme=None, group: int = 0) -> dict[str, torch.Tensor]:
+    """Artifact tensors (fp32) from per-layer fits: the clip ratios of each layer's allocated widths under
+    ``scheme`` (default: the base width), and with fp8 scales the multipliers."""
+    def width(layer: int, kind: str) -> int:
+        return scheme.width(layer, kind) if scheme is not None else next(iter(fits[0].clips), 2)
+
+    out = {
         "layers": torch.tensor(layers, dtype=torch.int64),
         "r_k": torch.stack([f.r_k for f in fits]).float(),
         "r_v": torch.stack([f.r_v for f in fits]).float(),
-        "clip_k": torch.stack([f.clip_k for f in fits]).float(),
-        "clip_v": torch.stack([f.clip_v for f in fits]).float(),
+        "clip_k": torch.stack([f.clips[width(i, "k")][0] if f.clips else f.clip_k
+                               for i, f in zip(layers, fits, strict=True)]).float(),
+        "clip_v": torch.stack([f.clips[width(i, "v")][1] if f.clips else f.clip_v
+                               for i, f in zip(layers, fits, strict=True)]).float(),
         "eig_k": torch.stack([f.eig_k for f in fits]).float(),
         "eig_v": torch.stack([f.eig_v for f in fits]).float(),
     }
+    if scheme is not None and scheme.scale_dtype == "fp8":
+        mults = [layer_multipliers(f, width(i, "k"), width(i, "v"), group) for i, f in zip(layers, fits, strict=True)]
+        out["mult_k"] = torch.stack([m[0] for m in mults])
+        out["mult_v"] = torch.stack([m[1] for m in mults])
+    return out

@@ -54,6 +54,73 @@ def check_fit(store: Store, run_ref: str, cfg: FitConfig, model_slug: str | None
     return run, layers
 
 
+def _widths(cfg: FitConfig, head_dim: int) -> tuple[int, ...]:
+    """Widths beyond the scheme's that the budget can pay for (4-bit when it exceeds the uniform cost)."""
+    q = cfg.scheme
+    if cfg.bits_per_element is None or q.bits == 4:
+        return ()
+    return (4,) if cfg.bits_per_element > q.bits_per_element(head_dim) + 1e-9 else ()
+
+
+def check_budget(cfg: FitConfig, head_dim: int) -> None:
+    """A budget the scheme can meet, and the sensitivity pass that an allocation needs (one line each)."""
+    if cfg.bits_per_element is None:
+        return
+    least = cfg.scheme.bits_per_element(head_dim)
+    if cfg.bits_per_element < least - 1e-9:
+        raise art.ArtifactError(f"--bits-per-element {cfg.bits_per_element:g} is below the scheme's uniform "
+                                f"{cfg.scheme.bits}-bit cost of {least:g} at head dim {head_dim}; raise it, or store "
+                                "the scales in fp8 (scheme scale_dtype: fp8)")
+    if _widths(cfg, head_dim) and cfg.sensitivity_tokens <= 0:
+        raise art.ArtifactError("an allocation above the uniform width needs the sensitivity pass; pass "
+                                "--sensitivity-tokens N (e.g. 1024)")
+
+
+def fit_model_spec(store: Store, run: Run, cfg: FitConfig) -> str:
+    """The model the sensitivity pass loads: ``cfg.model``, else the run's converted copy in the store, else the
+    embedded model of that name; a one-line error naming ``--model`` otherwise."""
+    from .models import EMBEDDED
+
+    if cfg.model:
+        return cfg.model
+    folder = store.root / "models" / run.model_slug
+    if (folder / "config.json").is_file():
+        return str(folder)
+    if run.model_slug in EMBEDDED:
+        return run.model_slug
+    raise art.ArtifactError(f"the sensitivity pass needs run {run.run_id}'s model ({run.model_slug}), which the "
+                            "store does not hold; pass --model PATH (or --sensitivity-tokens 0)")
+
+
+def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int], fits: list[LayerFit],
+                        progress: Callable[[int, int], None] | None = None):
+    """Load the run's model, score ``cfg.sensitivity_tokens`` calibration tokens with each fitted layer quantized
+    alone (:func:`oscar_cli.sensitivity.measure`)."""
+    from . import data as data_mod
+    from .fit import layer_multipliers
+    from .kvquant import LayerQuant
+    from .models import load_model
+    from .sensitivity import measure
+
+    loaded = load_model(fit_model_spec(store, run, cfg), store.root)
+    if loaded.fingerprint != run.model_fingerprint:
+        raise art.ArtifactError(f"the model loaded for the sensitivity pass ({loaded.fingerprint}) is not run "
+                                f"{run.run_id}'s ({run.model_fingerprint}); pass the run's model with --model")
+    shape = AttentionShape(**run.shape)
+    q = cfg.scheme
+    group = q.group_for(shape.head_dim)
+    n_seg = -(-cfg.sensitivity_tokens // run.seq_len)
+    segments = data_mod.token_segments(loaded.tokenizer, data_mod.load_documents(run.data_spec), run.seq_len, n_seg)
+    quants = {}
+    for layer, f in zip(layers, fits, strict=True):
+        quants[layer] = {}
+        for w, (ck, cv) in f.clips.items():
+            mk, mv = layer_multipliers(f, w, w, group) if q.scale_dtype == "fp8" else (None, None)
+            quants[layer][w] = LayerQuant(w, w, group, f.r_k.float(), f.r_v.float(), ck.float(), cv.float(),
+                                          meta=q.scale_dtype, mult_k=mk, mult_v=mv)
+    return measure(loaded.model, segments, quants, q, progress=progress)
+
+
 def run_fit(
     store: Store,
     run_ref: str,
@@ -62,27 +129,49 @@ def run_fit(
     recipe_text: str,
     model_slug: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    sensitivity_progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Path, art.Manifest]:
-    """Fit every selected layer of a complete run and write a new artifact version. Returns (folder, manifest)."""
+    """Fit every selected layer of a complete run and write a new artifact version. Returns (folder, manifest).
+
+    With ``cfg.sensitivity_tokens``, the model scores calibration text with each layer quantized alone
+    (``metrics["sensitivity"]``); with a budget above the uniform width, the scheme's ``bits_k``/``bits_v`` are
+    allocated from it and the clip ratios of each layer's widths are recorded."""
     run, layers = check_fit(store, run_ref, cfg, model_slug)
     shape = AttentionShape(**run.shape)
+    check_budget(cfg, shape.head_dim)
+    if cfg.sensitivity_tokens > 0:
+        fit_model_spec(store, run, cfg)  # a missing model is refused before the fit's work
     acc = StatsAccumulator(shape)
     acc.load_rows(store.load_stats(run.run_id))
     covs = {kind: acc.covariance(kind) for kind in KINDS}
+    widths = _widths(cfg, shape.head_dim)
     fits: list[LayerFit] = []
     for i, layer in enumerate(layers):
-        fits.append(fit_layer(layer_data(store, run, layer, covs), cfg, shape.head_dim))
+        fits.append(fit_layer(layer_data(store, run, layer, covs), cfg, shape.head_dim, widths))
         if progress:
             progress(i + 1, len(layers))
     per_layer = {str(layer): f.metrics for layer, f in zip(layers, fits, strict=True)}
+    metrics = {"per_layer": per_layer, "summary": summarize(per_layer)}
+    scheme = cfg.scheme.resolved(shape.head_dim)
+    if cfg.sensitivity_tokens > 0:
+        from .sensitivity import allocate_scheme
+
+        sens = measure_sensitivity(store, run, cfg, layers, fits, sensitivity_progress)
+        metrics["sensitivity"] = sens.to_dict()
+        if widths:
+            scheme, _ = allocate_scheme(sens, scheme, shape.head_dim, shape.n_layers, cfg.bits_per_element)
+            metrics["allocation"] = {"budget": cfg.bits_per_element,
+                                     "bits_per_element": scheme.bits_per_element(shape.head_dim, layers),
+                                     "predicted_kl": sum(sens.predicted_kl(i, kind, scheme.width(i, kind))
+                                                         for i in layers for kind in ("k", "v"))}
     manifest = art.Manifest(
         model_slug=run.model_slug, model_fingerprint=run.model_fingerprint, run_id=run.run_id,
         stats_digest=acc.digest(), data_digest=run.data_digest, calibration_tokens=run.tokens, method=cfg.method,
-        per_head=cfg.per_head, layers=tuple(layers), shape=shape, scheme=cfg.scheme.resolved(shape.head_dim),
-        fit_clip=cfg.fit_clip, clip_grid=tuple(cfg.clip_grid),
-        metrics={"per_layer": per_layer, "summary": summarize(per_layer)},
+        per_head=cfg.per_head, layers=tuple(layers), shape=shape, scheme=scheme,
+        fit_clip=cfg.fit_clip, clip_grid=tuple(cfg.clip_grid), metrics=metrics,
     )
-    path = art.write_artifact(artifacts_root, manifest, stack_fits(layers, fits), recipe_text)
+    tensors = stack_fits(layers, fits, scheme, scheme.group_for(shape.head_dim))
+    path = art.write_artifact(artifacts_root, manifest, tensors, recipe_text)
     manifest = art.load_artifact(path).manifest
     try:
         store.register_artifact(path, manifest.to_dict())

@@ -22,18 +22,26 @@ from .methods import KIVI_GROUP, Method, MethodError, Rotation
 from .rotation import data_free
 
 
+EXACT = 16
+"""A :class:`LayerQuant` width that keeps that kind's rows exact (sensitivity probes: only the other kind
+quantized)."""
+
+
 @dataclass(frozen=True)
 class LayerQuant:
-    """How one layer's K/V rows are stored and read. ``r_k``/``r_v``: fp32 ``[h, d, d]`` (h = 1 or kv heads) or None
-    for no rotation; ``clip_k``/``clip_v``: fp32 ``[h]``; ``token_block``: tokens quantized together (32 for
-    per-channel keys, else 1) — the quantized region always grows by whole blocks. ``decode``: the decode kernel's
-    options; the reference attention emulates their numerics (``int8_scores``: the INT2 rows' scores from each
-    query rounded to int8 in the rotated basis, :func:`oscar_cli.attention.int8_query` and
-    :func:`~oscar_cli.attention.int8_keys`; ``int8_values``: the INT2 rows' value code terms weighed by
-    probabilities rounded to int8 steps per 128-row tile, row scales only,
+    """How one layer's K/V rows are stored and read. ``bits_k``/``bits_v``: the key and value code widths (2 or 4;
+    :data:`EXACT` keeps that kind exact); ``r_k``/``r_v``: fp32 ``[h, d, d]`` (h = 1 or kv heads) or None
+    for no rotation; ``clip_k``/``clip_v``: fp32 ``[h]``; ``meta``: the scale/zero storage (``fp16`` | ``fp8``) with
+    ``mult_k``/``mult_v`` fp32 ``[h]`` the fitted FP8 multipliers (None: taken from the rows each write);
+    ``token_block``: tokens quantized together (32 for per-channel keys, else 1) — the quantized region always
+    grows by whole blocks. ``decode``: the decode kernel's options; the reference attention emulates their numerics
+    (``int8_scores``: the INT2 rows' scores from each query rounded to int8 in the rotated basis,
+    :func:`oscar_cli.attention.int8_query` and :func:`~oscar_cli.attention.int8_keys`; ``int8_values``: the INT2
+    rows' value code terms weighed by probabilities rounded to int8 steps per 128-row tile, row scales only,
     :func:`oscar_cli.attention.int8_values_attention`)."""
 
-    bits: int
+    bits_k: int
+    bits_v: int
     group: int
     r_k: torch.Tensor | None
     r_v: torch.Tensor | None
@@ -42,14 +50,21 @@ class LayerQuant:
     key_axis: str = "token"
     key_group: int = 0
     decode: DecodeOptions = DecodeOptions()
+    meta: str = "fp16"
+    mult_k: torch.Tensor | None = None
+    mult_v: torch.Tensor | None = None
 
     @property
     def token_block(self) -> int:
         return self.key_group if self.key_axis == "channel" else 1
 
+    def width(self, which: str) -> int:
+        return self.bits_k if which == "k" else self.bits_v
+
     def to(self, device: torch.device | str) -> LayerQuant:
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return replace(self, r_k=mv(self.r_k), r_v=mv(self.r_v), clip_k=mv(self.clip_k), clip_v=mv(self.clip_v))
+        return replace(self, r_k=mv(self.r_k), r_v=mv(self.r_v), clip_k=mv(self.clip_k), clip_v=mv(self.clip_v),
+                       mult_k=mv(self.mult_k), mult_v=mv(self.mult_v))
 
 
 def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_dim: int, kv_heads: int,
@@ -62,6 +77,10 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
     if method.family == "hf":
         raise MethodError(f"{method.name} is a transformers QuantizedCache; it has no decode-equivalent attention")
     group = scheme.group_for(head_dim)
+    scheme.check_layers(n_layers)
+    if not method.decode.exact and scheme.scale_dtype != "fp16":
+        raise MethodError(f"{method.label} emulates the decode kernel's int8 numerics, which read fp16 scales; the "
+                          f"scheme stores {scheme.scale_dtype}: use oscar")
     if method.decode.int8_values and group != head_dim:
         raise MethodError(f"{method.label} needs one value scale per row (group {head_dim}); the scheme's group is "
                           f"{group}: drop the group override or use oscar-int8")
@@ -69,9 +88,9 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
     if method.rotation is not None:
         r = data_free_rotation(method.rotation, head_dim, group)
         r = None if r is None else r.float()[None]
-        base = LayerQuant(scheme.bits, group, r, r, one * method.clip[0], one * method.clip[1],
-                          method.key_axis, KIVI_GROUP if method.key_axis == "channel" else 0, method.decode)
-        return [base] * n_layers
+        return [LayerQuant(scheme.width(i, "k"), scheme.width(i, "v"), group, r, r, one * method.clip[0],
+                           one * method.clip[1], method.key_axis, KIVI_GROUP if method.key_axis == "channel" else 0,
+                           method.decode, scheme.scale_dtype) for i in range(n_layers)]
     if artifact is None:
         raise MethodError(f"{method.label} needs an artifact: pass --artifact latest|vN|PATH or {method.name}@REF")
     shape = artifact.manifest.shape
@@ -91,7 +110,8 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
             ck, cv = lr.clip_k.float(), lr.clip_v.float()
         else:
             ck, cv = torch.full((h,), method.clip[0]), torch.full((h,), method.clip[1])
-        out.append(LayerQuant(scheme.bits, group, lr.r_k.float(), lr.r_v.float(), ck, cv, decode=method.decode))
+        out.append(LayerQuant(scheme.width(i, "k"), scheme.width(i, "v"), group, lr.r_k.float(), lr.r_v.float(), ck,
+                              cv, decode=method.decode, meta=scheme.scale_dtype, mult_k=lr.mult_k, mult_v=lr.mult_v))
     return out
 
 
@@ -112,16 +132,23 @@ def data_free_rotation(rotation: Rotation, head_dim: int, group: int) -> torch.T
 def quantize_rows(x: torch.Tensor, lq: LayerQuant, which: str) -> quantizer.QuantizedRows:
     """Rotate, clip, quantize and pack rows. x: float ``[B, H, N, d]`` in the model basis (``N`` a multiple of
     ``lq.token_block`` for per-channel keys). Returns packed rows in the rotated basis: codes uint8
-    ``[B, H, N, d*bits/8]`` (per-channel keys: ``[B, H, N/32, d, 32*bits/8]``), fp16 scale/zero per group."""
+    ``[B, H, N, d*bits/8]`` (per-channel keys: ``[B, H, N/32, d, 32*bits/8]``), scale/zero per group."""
     r, clip = (lq.r_k, lq.clip_k) if which == "k" else (lq.r_v, lq.clip_v)
+    bits = lq.width(which)
+    if bits == EXACT:
+        raise ValueError(f"the layer's {which} rows are exact; nothing to quantize")
+    mult = lq.mult_k if which == "k" else lq.mult_v
     xf = x.float()
     if r is not None:
         xf = xf @ r.to(xf.device)
     if which == "k" and lq.key_axis == "channel":
         b, h, n, d = xf.shape
         xf = xf.view(b, h, n // lq.key_group, lq.key_group, d).transpose(-1, -2)  # [B, H, nb, d, 32]
-        return quantizer.quantize(xf, clip.to(xf.device).view(-1, 1, 1, 1), lq.bits, lq.key_group)
-    return quantizer.quantize(xf, clip.to(xf.device).view(-1, 1, 1), lq.bits, lq.group)
+        view = (-1, 1, 1, 1)
+        return quantizer.quantize(xf, clip.to(xf.device).view(*view), bits, lq.key_group, lq.meta,
+                                  None if mult is None else mult.view(*view))
+    return quantizer.quantize(xf, clip.to(xf.device).view(-1, 1, 1), bits, lq.group, lq.meta,
+                              None if mult is None else mult.view(-1, 1, 1))
 
 
 def dequantize_rows(q: quantizer.QuantizedRows, lq: LayerQuant, which: str) -> torch.Tensor:
@@ -136,7 +163,10 @@ def dequantize_rows(q: quantizer.QuantizedRows, lq: LayerQuant, which: str) -> t
 
 
 def roundtrip(x: torch.Tensor, lq: LayerQuant, which: str) -> torch.Tensor:
-    """What a decoder reads back for rows ``x [B, H, N, d]``: fp32, model basis."""
+    """What a decoder reads back for rows ``x [B, H, N, d]``: fp32, model basis (the rows themselves where that kind
+    is :data:`EXACT`)."""
+    if lq.width(which) == EXACT:
+        return x.float()
     return dequantize_rows(quantize_rows(x, lq, which), lq, which)
 
 
@@ -151,18 +181,21 @@ def quantized_count(n: int, start: int, recent: int, block: int) -> int:
 
 
 def bits_per_element(method: Method, scheme: QuantScheme, seq_len: int, head_dim: int,
-                     layers_quantized: int | None = None, n_layers: int = 1, exact_bits: int = 16) -> float:
-    """Average storage bits of one K/V element for a sequence of ``seq_len`` tokens (no padding).
+                     layers_quantized: int | None = None, n_layers: int = 1, exact_bits: int = 16,
+                     quantized_layers=None) -> float:
+    """Average storage bits of one K/V element for a sequence of ``seq_len`` tokens (no padding); with an
+    allocation, ``quantized_layers`` (model layer indices) selects the widths averaged.
 
-    Quantized elements cost ``bits + 32 / group`` (fp16 scale and zero per group), exact ones ``exact_bits``; layers
-    not quantized (``n_layers - layers_quantized``) are exact. Equals ``OscarCache.nbytes() * 8 / elements``.
+    Quantized elements cost their code width (the scheme's allocation averaged over K, V and the layers) plus the
+    scale and zero per group (:meth:`~oscar_kernels.scheme.QuantScheme.bits_per_element`), exact ones ``exact_bits``;
+    layers not quantized (``n_layers - layers_quantized``) are exact. Equals ``OscarCache.nbytes() * 8 / elements``.
     """
     if method.family == "exact":
         return float(exact_bits)
     start = min(scheme.sink, seq_len)
     block = KIVI_GROUP if method.key_axis == "channel" else 1
     nq = quantized_count(seq_len, start, scheme.recent, block)
-    q_bits = quantizer.bits_per_element(scheme.bits, scheme.group_for(head_dim))
+    q_bits = scheme.bits_per_element(head_dim, quantized_layers)
     per_layer = (nq * q_bits + (seq_len - nq) * exact_bits) / seq_len
     lq = n_layers if layers_quantized is None else layers_quantized
     return (lq * per_layer + (n_layers - lq) * exact_bits) / n_layers

@@ -75,4 +75,6 @@ def element_bits(prep: Prepared, model, seq_len: int, exact_bits: int = 16) -> f
         return (nq * (m.bits + 2 * exact_bits / 64) + (seq_len - nq) * exact_bits) / seq_len
     return bits_per_element(m, prep.scheme, seq_len, head_dim_of(cfg),
                             layers_quantized=prep.layers_quantized if m.family == "quant" else None,
-                            n_layers=cfg.num_hidden_layers, exact_bits=exact_bits)
+                            n_layers=cfg.num_hidden_layers, exact_bits=exact_bits,
+                            quantized_layers=None if prep.quants is None else
+                            [i for i, q in enumerate(prep.quants) if q is not None])

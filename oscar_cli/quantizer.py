@@ -17,6 +17,11 @@ Format, for one row ``x`` of ``d`` elements (already rotated):
   ``kB .. (k+1)B - 1``), so a kernel can dot a query block against it with no reshuffle.
 
 Bits per element for a quantized row: ``bits + 2 * 16 / group`` (fp16 scale and zero per group).
+
+FP8 metadata (``meta="fp8"``): scale and zero are stored as float8 e4m3 of ``scale / m`` and ``zero / m`` with a
+power-of-two multiplier ``m`` (per KV head: fitted from calibration rows and held by the artifact, or taken from the
+rows themselves by :func:`meta_multiplier`), saturating at ±448; the scale never rounds below e4m3's smallest step.
+Codes are computed from the stored (rounded) values, as for fp16. ``bits + 16 / group`` bits per element.
 """
 
 from __future__ import annotations
@@ -26,19 +31,36 @@ from dataclasses import dataclass
 import torch
 from oscar_kernels import SCALE_EPS, pack, unpack
 
-__all__ = ["SCALE_EPS", "QuantizedRows", "bits_per_element", "clip_bounds", "dequantize", "fake_quant", "pack",
-           "quantize", "unpack"]
+__all__ = ["FP8_MAX", "META_HEADROOM", "SCALE_EPS", "QuantizedRows", "bits_per_element", "clip_bounds", "dequantize",
+           "fake_quant", "meta_multiplier", "pack", "quantize", "unpack"]
+
+FP8_MAX = 448.0
+"""Largest finite float8 e4m3 value."""
+FP8_MIN_STEP = 2.0 ** -9
+"""Smallest positive float8 e4m3 value (a subnormal): the floor of a stored scale."""
+META_HEADROOM = 7
+""":func:`meta_multiplier` maps the largest calibration |scale| or |zero| to at most ``2**META_HEADROOM`` (128): 3.5x
+headroom below e4m3's 448 for rows larger than calibration saw, 13 binades above its smallest normal value."""
 
 
 @dataclass(frozen=True)
 class QuantizedRows:
-    """Packed rows. ``codes``: uint8 ``[..., d * bits / 8]``; ``scale``/``zero``: fp16 ``[..., d / group]``."""
+    """Packed rows. ``codes``: uint8 ``[..., d * bits / 8]``; ``scale``/``zero``: fp16 ``[..., d / group]``, or
+    float8 e4m3 with ``mult`` (fp32, broadcastable to them) the power-of-two multiplier they are stored in units of."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     bits: int
     group: int
+    mult: torch.Tensor | None = None
+
+    def scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 scale and zero as the stored values give them."""
+        s, z = self.scale.float(), self.zero.float()
+        if self.mult is not None:
+            s, z = s * self.mult, z * self.mult
+        return s, z
 
     @property
     def nbytes(self) -> int:
@@ -66,32 +88,57 @@ def clip_bounds(x: torch.Tensor, ratio: float | torch.Tensor, group: int) -> tup
     return mid - half, mid + half
 
 
-def quantize(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, group: int | None = None) -> QuantizedRows:
-    """Quantize rows. x: float ``[..., d]``. Returns packed :class:`QuantizedRows`."""
+def meta_multiplier(scale: torch.Tensor, zero: torch.Tensor, dims) -> torch.Tensor:
+    """Power-of-two multiplier for FP8 metadata: the largest |scale| or |zero| over ``dims`` (kept) maps to at most
+    ``2**META_HEADROOM``."""
+    amax = torch.maximum(scale.abs().amax(dims, keepdim=True), zero.abs().amax(dims, keepdim=True))
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30))) - META_HEADROOM)
+
+
+def quantize(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, group: int | None = None,
+             meta: str = "fp16", mult: torch.Tensor | None = None) -> QuantizedRows:
+    """Quantize rows. x: float ``[..., d]``. Returns packed :class:`QuantizedRows`.
+
+    ``meta``: ``fp16`` or ``fp8`` scale/zero; with ``fp8``, ``mult`` is the multiplier (broadcastable to
+    ``[..., d / group]``, e.g. one per head), default one :func:`meta_multiplier` over all of ``x``'s rows."""
     group = group or x.shape[-1]
     _check(x, bits, group)
     levels = (1 << bits) - 1
     lo, hi = clip_bounds(x, ratio, group)
-    scale = ((hi - lo) / levels).clamp_min(SCALE_EPS).to(torch.float16)
-    zero = lo.to(torch.float16)
+    scale = ((hi - lo) / levels).clamp_min(SCALE_EPS)
+    if meta == "fp16":
+        scale, zero, mult = scale.to(torch.float16), lo.to(torch.float16), None
+    elif meta == "fp8":
+        if mult is None:
+            mult = meta_multiplier(scale, lo, tuple(range(scale.dim())))
+        mult = mult.float().to(x.device)
+        scale = (scale / mult).clamp(FP8_MIN_STEP, FP8_MAX).to(torch.float8_e4m3fn)
+        zero = (lo / mult).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    else:
+        raise ValueError(f"meta must be fp16 or fp8, got {meta!r}")
+    rows = QuantizedRows(torch.empty(0, dtype=torch.uint8), scale, zero, bits, group, mult)
+    s, z = rows.scale_zero()
     xg = x.float().unflatten(-1, (-1, group))
-    codes = torch.floor((xg - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1) + 0.5)
+    codes = torch.floor((xg - z.unsqueeze(-1)) / s.unsqueeze(-1) + 0.5)
     codes = codes.clamp_(0, levels).to(torch.uint8).flatten(-2)
-    return QuantizedRows(pack(codes, bits, group), scale, zero, bits, group)
+    return QuantizedRows(pack(codes, bits, group), scale, zero, bits, group, mult)
 
 
 def dequantize(q: QuantizedRows) -> torch.Tensor:
     """Packed rows -> fp32 ``[..., d]``."""
     codes = unpack(q.codes, q.bits, q.group).float().unflatten(-1, (-1, q.group))
-    out = codes * q.scale.float().unsqueeze(-1) + q.zero.float().unsqueeze(-1)
+    s, z = q.scale_zero()
+    out = codes * s.unsqueeze(-1) + z.unsqueeze(-1)
     return out.flatten(-2)
 
 
-def fake_quant(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, group: int | None = None) -> torch.Tensor:
+def fake_quant(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, group: int | None = None,
+               meta: str = "fp16", mult: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize-dequantize round trip, returned in ``x.dtype`` (same shape)."""
-    return dequantize(quantize(x, ratio, bits, group)).to(x.dtype)
+    return dequantize(quantize(x, ratio, bits, group, meta, mult)).to(x.dtype)
 
 
 def bits_per_element(bits: int, group: int, meta_bits: int = 32) -> float:
-    """Storage cost of one quantized element: the code plus its share of the fp16 scale and zero."""
+    """Storage cost of one quantized element: the code plus its share of the scale and zero (``meta_bits``
+    together: 32 for fp16, 16 for fp8)."""
     return bits + meta_bits / group

@@ -27,7 +27,7 @@ def per_head_quants(n_layers=2, h=2):
     for _ in range(n_layers):
         rk = torch.linalg.qr(torch.randn(h, D, D, generator=g, dtype=torch.float64))[0].float()
         rv = torch.linalg.qr(torch.randn(h, D, D, generator=g, dtype=torch.float64))[0].float()
-        out.append(LayerQuant(2, D, rk, rv, torch.tensor([0.9, 0.8]), torch.tensor([0.85, 0.95])))
+        out.append(LayerQuant(2, 2, D, rk, rv, torch.tensor([0.9, 0.8]), torch.tensor([0.85, 0.95])))
     return out
 
 

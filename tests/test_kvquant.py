@@ -48,11 +48,11 @@ def test_roundtrip_error_bound(name):
         xr = x @ lq.r_v if lq.r_v is not None else x
         yr = y @ lq.r_v if lq.r_v is not None else y
         g = lq.group
-        step = (xr.unflatten(-1, (-1, g)).amax(-1) - xr.unflatten(-1, (-1, g)).amin(-1)) / ((1 << lq.bits) - 1)
+        step = (xr.unflatten(-1, (-1, g)).amax(-1) - xr.unflatten(-1, (-1, g)).amin(-1)) / ((1 << lq.bits_v) - 1)
         err = (xr - yr).abs().unflatten(-1, (-1, g)).amax(-1)
         assert (err <= step * 0.5 * 1.01 + 1e-3).all()
     rel = ((x - y).norm() / x.norm()).item()
-    assert rel < (0.12 if lq.bits == 4 else 0.6)
+    assert rel < (0.12 if lq.bits_v == 4 else 0.6)
 
 
 def test_kivi_keys_are_per_channel_blocks():
@@ -69,7 +69,7 @@ def test_kivi_keys_are_per_channel_blocks():
 
 def test_per_head_clip_broadcasts():
     r = torch.linalg.qr(torch.randn(2, 64, 64))[0]
-    lq = LayerQuant(2, 64, r, r, torch.tensor([1.0, 0.5]), torch.tensor([1.0, 0.5]))
+    lq = LayerQuant(2, 2, 64, r, r, torch.tensor([1.0, 0.5]), torch.tensor([1.0, 0.5]))
     x = torch.randn(1, 2, 8, 64)
     q = quantize_rows(x, lq, "k")
     span = q.scale.float() * 3

@@ -4,12 +4,16 @@ An artifact carries its :class:`QuantScheme` in its manifest (written by ``oscar
 kernels' pool, ``oscar eval`` and ``oscar serve`` read it from there. Every default below is the only place that
 default is written.
 
-* ``bits``: code width (2 or 4; the Triton kernels implement 2).
+* ``bits``: code width (2 or 4; the Triton kernels implement 2) of every layer the allocation does not name.
+* ``bits_k`` / ``bits_v``: the budgeted allocation (``oscar fit --bits-per-element``): the key and the value code
+  width of every model layer (one entry per layer, 2 or 4), or empty for ``bits`` everywhere.
 * ``group``: rotated elements per scale/zero pair; ``0`` means one group per head row (the head dim), which
   :meth:`QuantScheme.resolved` turns into the concrete number for a model.
 * ``sink``: the first ``sink`` real tokens of every sequence stay exact (BF16).
 * ``recent``: the query at position ``t`` reads the last ``recent`` positions ``(t - recent, t]`` exactly.
-* ``scale_dtype``: storage type of the per-group scale and zero point (``fp16``).
+* ``scale_dtype``: storage type of the per-group scale and zero point: ``fp16``, or ``fp8`` (e4m3 of the value
+  divided by a power-of-two multiplier fitted per layer, K/V and KV head, which the artifact holds: 16 bits of
+  metadata per group instead of 32).
 * ``levels``: how codes map to values (``uniform``: ``code * scale + zero``, codes ``0 .. 2**bits - 1``).
 
 Pure Python (no torch), so every layer of the project, and the serving engine's processes, can import it.
@@ -22,7 +26,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-SCALE_DTYPES = ("fp16",)
+SCALE_DTYPES = ("fp16", "fp8")
+META_BITS = {"fp16": 32, "fp8": 16}
+"""Storage bits of one group's scale and zero point together, per ``scale_dtype``."""
+WIDTHS = (2, 4)
 LEVELS = ("uniform",)
 KERNEL_BITS = 2
 """Code width the Triton kernels implement."""
@@ -54,8 +61,18 @@ class QuantScheme:
     recent: int = 256
     scale_dtype: str = "fp16"
     levels: str = "uniform"
+    bits_k: tuple[int, ...] = ()
+    bits_v: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("bits_k", "bits_v"):
+            v = getattr(self, name)
+            if not isinstance(v, (tuple, list)) or any(w not in WIDTHS or isinstance(w, bool) for w in v):
+                raise SchemeError(f"scheme {name} must be a list of code widths (2 or 4), one per layer, got {v!r}")
+            object.__setattr__(self, name, tuple(v))
+        if len(self.bits_k) != len(self.bits_v):
+            raise SchemeError(f"scheme bits_k and bits_v must name the same layers ({len(self.bits_k)} against "
+                              f"{len(self.bits_v)} entries)")
         for name in ("bits", "group", "sink", "recent"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -68,6 +85,26 @@ class QuantScheme:
             raise SchemeError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {self.scale_dtype!r}")
         if self.levels not in LEVELS:
             raise SchemeError(f"levels must be one of {', '.join(LEVELS)}, got {self.levels!r}")
+
+    @property
+    def mixed(self) -> bool:
+        """True when the allocation gives some layer's K or V another width than ``bits``."""
+        return any(w != self.bits for w in (*self.bits_k, *self.bits_v))
+
+    def width(self, layer: int, kind: str) -> int:
+        """Code width of model layer ``layer``'s keys (``kind="k"``) or values (``"v"``)."""
+        alloc = self.bits_k if kind == "k" else self.bits_v
+        return alloc[layer] if alloc else self.bits
+
+    def check_layers(self, n_layers: int) -> None:
+        """The allocation (when there is one) has one entry per model layer."""
+        if self.bits_k and len(self.bits_k) != n_layers:
+            raise SchemeError(f"the scheme allocates widths for {len(self.bits_k)} layers, the model has {n_layers}")
+
+    @property
+    def meta_bits(self) -> int:
+        """Storage bits of one group's scale and zero point together."""
+        return META_BITS[self.scale_dtype]
 
     @property
     def codes_per_byte(self) -> int:
@@ -89,9 +126,16 @@ class QuantScheme:
         """The same scheme with ``group`` made concrete for ``head_dim`` (what an artifact records)."""
         return dataclasses.replace(self, group=self.group_for(head_dim))
 
-    def bits_per_element(self, head_dim: int) -> float:
-        """Storage bits of one quantised element: its code plus its share of the fp16 scale and zero."""
-        return self.bits + 32 / self.group_for(head_dim)
+    def bits_per_element(self, head_dim: int, layers=None) -> float:
+        """Storage bits of one quantised element: its code plus its share of the scale and zero, averaged over K and
+        V of ``layers`` (model layer indices; default every layer the allocation names) under the allocation."""
+        meta = self.meta_bits / self.group_for(head_dim)
+        if not self.bits_k:
+            return self.bits + meta
+        idx = range(len(self.bits_k)) if layers is None else list(layers)
+        if not idx:
+            return self.bits + meta
+        return sum(self.bits_k[i] + self.bits_v[i] for i in idx) / (2 * len(idx)) + meta
 
     def kernel_support(self, head_dim: int, device_type: str | None = None) -> str | None:
         """Why the Triton kernels cannot run this scheme at ``head_dim`` (on ``device_type``, e.g. ``"cuda"``; None:
@@ -100,6 +144,11 @@ class QuantScheme:
             return why
         if self.bits != KERNEL_BITS:
             return f"the kernels implement {KERNEL_BITS}-bit codes, the scheme has {self.bits}"
+        if self.mixed:
+            return (f"the kernels implement {KERNEL_BITS}-bit codes in every layer, the scheme allocates 4-bit codes "
+                    f"to some (bits_k/bits_v)")
+        if self.scale_dtype != "fp16":
+            return f"the kernels read fp16 scales and zeros, the scheme stores {self.scale_dtype}"
         g = self.group_for(head_dim)
         for name, v in (("head dim", head_dim), ("group", g)):
             if v < 16 or v & (v - 1):
@@ -107,7 +156,14 @@ class QuantScheme:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON form; the allocation only when there is one (a uniform scheme reads as before allocations)."""
+        d = dataclasses.asdict(self)
+        for name in ("bits_k", "bits_v"):
+            if d[name]:
+                d[name] = list(d[name])
+            else:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "scheme") -> QuantScheme:
@@ -118,12 +174,17 @@ class QuantScheme:
         unknown = sorted(set(d) - names)
         if unknown:
             raise SchemeError(f"unknown key(s) {', '.join(unknown)} in {where}; allowed: {', '.join(sorted(names))}")
-        return cls(**d)
+        return cls(**{k: tuple(v) if k in ("bits_k", "bits_v") and isinstance(v, list) else v for k, v in d.items()})
 
     def describe(self) -> str:
-        """Short name with the scheme in it, e.g. ``int2.g128.s64.r256``."""
+        """Short name with the scheme in it, e.g. ``int2.g128.s64.r256``; an allocation reads ``mix2-4k3v1`` (layers
+        whose keys / values are 4-bit), fp8 metadata adds ``.fp8``."""
         g = self.group or "row"
-        return f"int{self.bits}.g{g}.s{self.sink}.r{self.recent}"
+        width = f"int{self.bits}"
+        if self.mixed:
+            width = f"mix2-4k{sum(w == 4 for w in self.bits_k)}v{sum(w == 4 for w in self.bits_v)}"
+        meta = "" if self.scale_dtype == "fp16" else f".{self.scale_dtype}"
+        return f"{width}.g{g}{meta}.s{self.sink}.r{self.recent}"
 
 
 class DecodeOptionsError(SchemeError):

@@ -26,6 +26,15 @@ def fit(
     group: Annotated[int | None, typer.Option(help="Elements per scale/zero group (0 = one group per head row).")] = None,
     sink: Annotated[int | None, typer.Option(help="Leading tokens kept in BF16 (recorded in the artifact's scheme).")] = None,
     recent: Annotated[int | None, typer.Option(help="Most recent tokens kept in BF16 (recorded in the scheme).")] = None,
+    scale_dtype: Annotated[str | None, typer.Option(help="Scale/zero storage: fp16 (32 bits per group) or fp8 (16 "
+                                                     "bits, e4m3 with a fitted multiplier per layer and KV head).")] = None,
+    bits_per_element: Annotated[float | None, typer.Option(
+        help="Budget in storage bits per quantized element (codes + scale/zero, K and V averaged): 4-bit keys or "
+             "values go to the layers where the measured sensitivity says they buy the most.")] = None,
+    sensitivity_tokens: Annotated[int | None, typer.Option(
+        help="Calibration tokens scored through the model with each layer's K or V quantized alone (0: none).")] = None,
+    model: Annotated[str | None, typer.Option(help="The run's model for the sensitivity pass (default: the store's "
+                                               "copy or the embedded model of the run's name).")] = None,
     recipe: RecipeOpt = None,
     store: StoreOpt = DEFAULTS["store"],
     artifacts: ArtifactsOpt = DEFAULTS["artifacts"],
@@ -46,22 +55,31 @@ def fit(
 
     rec = load_recipe(recipe) if recipe else None
     base = rec.fit if rec else FitConfig()
-    scheme = dataclasses.replace(base.scheme, **{k: v for k, v in dict(bits=bits, group=group, sink=sink,
-                                                                       recent=recent).items() if v is not None})
-    overrides = {k: v for k, v in dict(layers=layers, method=method, per_head=per_head,
-                                       fit_clip=fit_clip).items() if v is not None}
+    scheme = dataclasses.replace(base.scheme, **{k: v for k, v in dict(bits=bits, group=group, sink=sink, recent=recent,
+                                                                       scale_dtype=scale_dtype).items()
+                                                 if v is not None})
+    overrides = {k: v for k, v in dict(layers=layers, method=method, per_head=per_head, fit_clip=fit_clip,
+                                       bits_per_element=bits_per_element, sensitivity_tokens=sensitivity_tokens,
+                                       model=model).items() if v is not None}
     cfg = dataclasses.replace(base, scheme=scheme, **overrides)
     recipe_text = rec.source if rec else _recipe_yaml(cfg)
     st = Store(store, create=False)
     check_fit(st, run, cfg)
-    with step_progress("fit layers") as update:
-        path, manifest = run_fit(st, run, cfg, artifacts, recipe_text, progress=update)
+    with step_progress("fit layers, then sensitivity passes") as update:
+        path, manifest = run_fit(st, run, cfg, artifacts, recipe_text, progress=update, sensitivity_progress=update)
     if json_out:
         out.print_json(json.dumps({"artifact": str(path), "manifest": manifest.to_dict()}))
         return
     s = manifest.metrics["summary"]
     out.print(f"wrote {path} ({manifest.method}, {manifest.scheme.describe()}, {len(manifest.layers)} layers, "
               f"run {manifest.run_id})")
+    if "allocation" in manifest.metrics:
+        a = manifest.metrics["allocation"]
+        sch = manifest.scheme
+        k4 = [i for i in manifest.layers if sch.width(i, "k") == 4]
+        v4 = [i for i in manifest.layers if sch.width(i, "v") == 4]
+        out.print(f"  allocation: {a['bits_per_element']:.3f} bits/element (budget {a['budget']:g}); 4-bit keys in "
+                  f"layers {k4 or 'none'}, 4-bit values in {v4 or 'none'}")
     for kv, label in (("distortion_k", "keys"), ("distortion_v", "values")):
         m, wins = s[kv]["mean"], s[kv]["artifact_better_layers"]
         out.print(f"  {label}: held-out distortion {m['artifact']:.4f} vs hadamard {m['hadamard']:.4f} "
