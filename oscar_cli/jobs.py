@@ -51,6 +51,9 @@ def check_fit(store: Store, run_ref: str, cfg: FitConfig, model_slug: str | None
         cfg.scheme.group_for(shape.head_dim)
     except SchemeError as e:
         raise art.ArtifactError(f"{e}; pick --group for head dim {shape.head_dim}") from None
+    check_budget(cfg, shape.head_dim)
+    if cfg.sensitivity_tokens > 0:
+        fit_model_spec(store, run, cfg)  # a missing model is refused before the fit's work
     return run, layers
 
 
@@ -138,9 +141,6 @@ def run_fit(
     allocated from it and the clip ratios of each layer's widths are recorded."""
     run, layers = check_fit(store, run_ref, cfg, model_slug)
     shape = AttentionShape(**run.shape)
-    check_budget(cfg, shape.head_dim)
-    if cfg.sensitivity_tokens > 0:
-        fit_model_spec(store, run, cfg)  # a missing model is refused before the fit's work
     acc = StatsAccumulator(shape)
     acc.load_rows(store.load_stats(run.run_id))
     covs = {kind: acc.covariance(kind) for kind in KINDS}
@@ -211,7 +211,12 @@ def inspect_report(artifact: art.Artifact) -> dict:
             "orthogonality_error": max(orthogonality_error(r) for r in (*t["r_k"][i], *t["r_v"][i])),
             "distortion_k": fm["distortion_k"],
             "distortion_v": fm["distortion_v"],
+            "bits_k": m.scheme.width(layer, "k"),
+            "bits_v": m.scheme.width(layer, "v"),
         })
+        sens = m.metrics.get("sensitivity", {}).get("layers", {}).get(str(layer))
+        if sens is not None:
+            layers[-1]["sensitivity"] = sens
     return {
         "artifact": str(artifact.path),
         "name": artifact.name,
@@ -226,6 +231,9 @@ def inspect_report(artifact: art.Artifact) -> dict:
         "created": m.created,
         "layers": layers,
         "summary": m.metrics["summary"],
+        "sensitivity": {k: v for k, v in m.metrics.get("sensitivity", {}).items() if k != "layers"} or None,
+        "allocation": m.metrics.get("allocation"),
+        "bits_per_element": m.scheme.bits_per_element(m.shape.head_dim, artifact.layers),
     }
 
 

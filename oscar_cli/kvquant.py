@@ -21,7 +21,6 @@ from . import quantizer
 from .methods import KIVI_GROUP, Method, MethodError, Rotation
 from .rotation import data_free
 
-
 EXACT = 16
 """A :class:`LayerQuant` width that keeps that kind's rows exact (sensitivity probes: only the other kind
 quantized)."""

@@ -195,9 +195,10 @@ def logit_kl(model, segments: torch.Tensor, configs: dict, scheme: QuantScheme, 
             attn.install(model, quants[:n_layers], scheme)
             total, count = 0.0, 0
             for lp_ref, lp in zip(ref, _log_probs(model, segments, batch), strict=True):
+                lp_ref, lp = lp_ref.double(), lp.double()
                 total += (lp_ref.exp() * (lp_ref - lp)).sum().item()
                 count += lp.shape[0] * lp.shape[1]
-            out[name] = total / count
+            out[name] = max(total / count, 0.0)  # >= 0; a part that changes nothing can round a hair below
             if progress is not None:
                 progress()
     finally:

@@ -181,3 +181,35 @@ def test_embedded_default_end_to_end(embedded_store, embedded_artifact):
     for kv in ("distortion_k", "distortion_v"):
         wins = report["summary"][kv]["artifact_better_layers"]
         assert wins["identity"] >= 25 and wins["hadamard"] >= 25 and wins["hadamard_clip"] >= 20, (kv, wins)
+
+
+def test_fit_allocates_widths_by_measured_sensitivity_and_inspect_shows_where_the_error_lives(
+        tmp_path, tiny_store, tiny_model_dir):
+    arts = tmp_path / "artifacts"
+    base = ["fit", "--store", tiny_store, "--artifacts", arts, "--sink", "4", "--recent", "8"]
+    one_line_error(invoke(*base, "--bits-per-element", "2.3"), "below the scheme's uniform 2-bit cost of 4")
+    one_line_error(invoke(*base, "--bits-per-element", "4.5"), "needs the sensitivity pass")
+    one_line_error(invoke(*base, "--sensitivity-tokens", "64"), "pass --model PATH")  # a folder model: not in store
+    assert not arts.exists() or not any(arts.rglob("manifest.json"))  # refused before anything was written
+    r = invoke(*base, "--scale-dtype", "fp8", "--bits-per-element", "3.5", "--sensitivity-tokens", "128",
+               "--model", tiny_model_dir)
+    assert r.exit_code == 0, r.output
+    assert "allocation:" in r.output
+    report = json.loads(invoke("inspect", "latest", "--store", tiny_store, "--json").output)
+    n = len(report["layers"])
+    assert report["sensitivity"]["tokens"] == 128 and report["sensitivity"]["widths"] == [2, 4]
+    widths = [(x["bits_k"], x["bits_v"]) for x in report["layers"]]
+    upgraded = sum(w == 4 for pair in widths for w in pair)
+    # fp8 scales at head dim 16: 2 + 1 bits per element; a budget of 3.5 pays for 4-bit in a quarter of the 2n units
+    assert upgraded == (2 * n) // 4 and report["bits_per_element"] <= 3.5
+    for x in report["layers"]:
+        s = x["sensitivity"]
+        assert s["kl_k"] >= 0 and s["kl_v"] >= 0 and s["kl_k"] + s["kl_v"] > 0
+        for kind in "kv":  # 4-bit beats 2-bit on every head's attention output
+            assert all(a4 < a2 for a2, a4 in zip(s[f"attn_{kind}2"], s[f"attn_{kind}4"], strict=True))
+    # the allocation upgrades the units with the largest predicted gain
+    gain = {(x["layer"], kind): x["sensitivity"][f"kl_{kind}"] * (1 - sum(x["sensitivity"][f"attn_{kind}4"])
+                                                                  / sum(x["sensitivity"][f"attn_{kind}2"]))
+            for x in report["layers"] for kind in "kv"}
+    chosen = {(x["layer"], kind) for x in report["layers"] for kind in "kv" if x[f"bits_{kind}"] == 4}
+    assert min(gain[u] for u in chosen) >= max(g for u, g in gain.items() if u not in chosen)

@@ -18,7 +18,9 @@ def inspect(
     json_out: JsonOpt = False,
     plot: Annotated[Path | None, typer.Option(help="Write spectra and per-layer distortion to this PNG.")] = None,
 ) -> None:
-    """Per layer: spectrum concentration, clip ratios, orthogonality error and predicted INT2 distortion.
+    """Per layer: spectrum concentration, clip ratios, orthogonality error, predicted INT2 distortion, and where
+    the fit measured it (with a sensitivity pass): each layer's final-logit KL with its keys or values quantized
+    alone, the attention-output error and probability-weighted key logit error per KV head, the allocated widths.
 
     Example: oscar inspect latest --plot inspect.png
     """
@@ -60,6 +62,24 @@ def inspect(
                    *(f"{r['distortion_v'][k]:.3f}" for k in SUMMARY_KEYS))
     out.print(rt)
     out.print(dt)
+    if report["sensitivity"] is not None:
+        base = report["sensitivity"]["base"]
+        st = Table(title=f"sensitivity on {report['sensitivity']['tokens']} calibration tokens, INT{base} alone in "
+                         "that part (KL x1e3 per token; attention-output error and key logit error per KV head)")
+        for col in ("layer", "K KL", "V KL", "K attn err", "V attn err", "key logit err", "bits K/V"):
+            st.add_column(col, justify="right")
+        for r in report["layers"]:
+            s = r.get("sensitivity")
+            if s is None:
+                continue
+            st.add_row(str(r["layer"]), f"{1e3 * s['kl_k']:.2f}", f"{1e3 * s['kl_v']:.2f}",
+                       "/".join(f"{x:.3f}" for x in s[f"attn_k{base}"]), "/".join(f"{x:.3f}" for x in s[f"attn_v{base}"]),
+                       "/".join(f"{x:.3f}" for x in s[f"logit_err{base}"]), f"{r['bits_k']}/{r['bits_v']}")
+        out.print(st)
+    a = report["allocation"]
+    if a is not None:
+        out.print(f"allocation: {a['bits_per_element']:.3f} bits per quantized element (budget {a['budget']:g}), "
+                  f"predicted summed KL {a['predicted_kl']:.4f}")
     for kv, label in (("distortion_k", "keys"), ("distortion_v", "values")):
         s = report["summary"][kv]
         m = s["mean"]

@@ -45,6 +45,22 @@ def word_artifact(word_model, serve_store, tmp_path_factory) -> Path:
     return next(arts.glob("*/v1"))
 
 
+@pytest.fixture(scope="session")
+def mixed_artifact(word_model, serve_store, word_artifact, tmp_path_factory) -> Path:
+    """``oscar fit`` of ``word_artifact``'s run with FP8 scales and a budget of 3.25 bits per element: 4-bit keys
+    or values in the layers the sensitivity pass picks."""
+    from typer.testing import CliRunner
+
+    from oscar_cli.cli import app
+
+    arts = tmp_path_factory.mktemp("mixed-artifacts")
+    r = CliRunner().invoke(app, ["fit", "--store", str(serve_store), "--artifacts", str(arts), "--sink", "4",
+                                 "--recent", "8", "--scale-dtype", "fp8", "--bits-per-element", "3.25",
+                                 "--sensitivity-tokens", "256", "--model", str(word_model)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return next(arts.glob("*/v1"))
+
+
 @pytest.fixture(scope="module")
 def bf16_server(word_model, serve_store):
     """A server on the word model without artifact (bf16), model id ``tiny``, a queue of 8."""

@@ -132,6 +132,36 @@ def test_artifact_prompt_logprobs_are_decode_equivalent(word_model, serve_store,
         eng.stop()
 
 
+def test_a_mixed_width_artifact_serves_with_its_own_allocation(word_model, serve_store, mixed_artifact, engine):
+    """An artifact whose scheme allocates 4-bit K/V to some layers and stores fp8 scales: the engine reads the scheme
+    from it, and its prompt logprobs are the decode-equivalent scoring of that allocation (not uniform INT2's)."""
+    from oscar_cli.artifact import load_artifact
+    from oscar_cli.methods import get_method, scheme_for
+    from oscar_cli.prepare import head_dim_of, prepare
+
+    art = load_artifact(mixed_artifact)
+    s = art.scheme
+    assert s.scale_dtype == "fp8" and s.mixed and 2.5 < s.bits_per_element(32, art.layers) <= 3.25
+    eng = load_engine(word_model, serve_store, mixed_artifact)
+    try:
+        assert eng.scheme["bits_k"] == list(s.bits_k) and eng.scheme["scale_dtype"] == "fp8"
+        from helpers import WordKit
+
+        ids = eng.encode(WordKit.text(48, seed=5))
+        got = torch.tensor([p.logprob for p in eng.generate(ids, greedy(0, echo=True, logprobs=1)).prompt_logprobs[1:]])
+        ref_model = fresh_model(word_model)
+        m = get_method("oscar")
+        prepare(ref_model, m, scheme_for(m, head_dim_of(ref_model.config), artifact_scheme=s), art)
+        logp = torch.log_softmax(ref_model(torch.tensor([ids]), use_cache=False).logits[0].float(), -1)
+        want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        exact = torch.tensor([p.logprob for p in engine.generate(ids, greedy(0, echo=True, logprobs=1))
+                              .prompt_logprobs[1:]])
+        assert (got - exact).abs()[20:].max() > 1e-4  # beyond sink + recent the quantized cache shows
+    finally:
+        eng.stop()
+
+
 def test_cancel_stops_between_tokens(engine):
     events: queue.SimpleQueue = queue.SimpleQueue()
     before = engine.stats.cancelled

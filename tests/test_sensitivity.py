@@ -1,0 +1,111 @@
+"""Budgeted bit allocation (an exact multiple-choice knapsack), mixed-width schemes and FP8 scale/zero, and the
+sensitivity pass through a tiny model."""
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from oscar_kernels.scheme import QuantScheme, SchemeError
+
+from oscar_cli import quantizer
+from oscar_cli.kvquant import EXACT, LayerQuant, roundtrip
+from oscar_cli.sensitivity import AllocationError, Sensitivity, allocate, allocate_scheme
+
+
+def brute_force(losses, weights, costs, budget):
+    units = list(losses)
+    total_w = sum(weights.values())
+    best = None
+    for pick in itertools.product(*(sorted(losses[u]) for u in units)):
+        bits = sum(costs[b] * weights[u] for u, b in zip(units, pick, strict=True)) / total_w
+        if bits <= budget + 1e-12:
+            loss = sum(losses[u][b] for u, b in zip(units, pick, strict=True))
+            if best is None or loss < best - 1e-12:
+                best = loss
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_allocation_solves_planted_knapsacks_exactly(seed):
+    rng = random.Random(seed)
+    n = rng.randint(3, 8)
+    widths = [2, 4] if seed % 2 else [2, 3, 4]
+    costs = {2: 2.25, 3: 3.25, 4: 4.25}
+    units = [(i, k) for i in range(n) for k in "kv"][: n]
+    weights = {u: rng.choice([64, 128, 192]) for u in units}
+    losses = {}
+    for u in units:
+        loss2 = rng.uniform(0.01, 1.0)
+        losses[u] = {w: loss2 / (1 + rng.uniform(0, 30) * (w - 2)) for w in widths}
+    budget = rng.uniform(2.3, 3.8)
+    choice = allocate(losses, weights, {w: costs[w] for w in widths}, budget)
+    used = sum(costs[choice[u]] * weights[u] for u in units) / sum(weights.values())
+    assert used <= budget + 1e-9
+    assert sum(losses[u][choice[u]] for u in units) == pytest.approx(brute_force(losses, weights, costs, budget))
+
+
+def test_allocation_spends_the_budget_where_it_buys_most_and_refuses_an_impossible_one():
+    losses = {"a": {2: 1.0, 4: 0.9}, "b": {2: 5.0, 4: 0.1}, "c": {2: 2.0, 4: 0.2}}
+    w = {u: 1 for u in losses}
+    assert allocate(losses, w, {2: 2.5, 4: 4.5}, 2.5) == {"a": 2, "b": 2, "c": 2}
+    assert allocate(losses, w, {2: 2.5, 4: 4.5}, 3.2) == {"a": 2, "b": 4, "c": 2}  # one upgrade: the largest gain
+    assert allocate(losses, w, {2: 2.5, 4: 4.5}, 3.9) == {"a": 2, "b": 4, "c": 4}
+    with pytest.raises(AllocationError, match="below the cheapest allocation"):
+        allocate(losses, w, {2: 2.5, 4: 4.5}, 2.4)
+
+
+def test_allocate_scheme_records_per_layer_widths_from_measured_sensitivity():
+    kl = {(0, "k"): 0.5, (0, "v"): 0.01, (2, "k"): 0.02, (2, "v"): 0.3}
+    attn = {(i, kind, w): torch.tensor([1.0 if w == 2 else 0.05]) for i in (0, 2) for kind in "kv" for w in (2, 4)}
+    sens = Sensitivity(2, (2, 4), kl, attn, {}, 1024)
+    assert sens.predicted_kl(0, "k", 4) == pytest.approx(0.025)
+    # 4 units at 2.25 bits (fp8 scales, group 64); a budget of 2.75 pays for one 4-bit unit: layer 0's keys
+    scheme, choice = allocate_scheme(sens, QuantScheme(group=64, scale_dtype="fp8"), 64, 3, 2.75)
+    assert scheme.bits_k == (4, 2, 2) and scheme.bits_v == (2, 2, 2) and choice[(0, "k")] == 4
+    assert scheme.bits_per_element(64, [0, 2]) == pytest.approx(2.75)
+    scheme, _ = allocate_scheme(sens, QuantScheme(group=64, scale_dtype="fp8"), 64, 3, 3.25)
+    assert scheme.bits_k == (4, 2, 2) and scheme.bits_v == (2, 2, 4)
+
+
+def test_mixed_schemes_round_trip_and_are_refused_where_the_kernels_cannot_run_them():
+    s = QuantScheme(group=64, scale_dtype="fp8", bits_k=(2, 4, 2), bits_v=(2, 2, 4))
+    assert s.mixed and s.width(1, "k") == 4 and s.width(1, "v") == 2 and s.width(2, "v") == 4
+    assert s.bits_per_element(64) == pytest.approx((2 + 2 + 4 + 2 + 2 + 4) / 6 + 16 / 64)
+    assert s.describe() == "mix2-4k1v1.g64.fp8.s64.r256"
+    d = json.loads(json.dumps(s.to_dict()))
+    assert d["bits_k"] == [2, 4, 2] and QuantScheme.from_dict(d) == s
+    assert "bits_k" not in QuantScheme().to_dict()  # a uniform scheme reads as before
+    assert "4-bit codes to some" in s.kernel_support(64)
+    assert "fp16 scales" in QuantScheme(scale_dtype="fp8").kernel_support(64)
+    assert QuantScheme(bits_k=(2, 2), bits_v=(2, 2)).kernel_support(64) is None  # an allocation of INT2 only
+    for kw, needle in ((dict(bits_k=(2, 3), bits_v=(2, 2)), "code widths"), (dict(bits_k=(2,), bits_v=()), "same"),
+                       (dict(scale_dtype="fp4"), "scale_dtype")):
+        with pytest.raises(SchemeError, match=needle):
+            QuantScheme(**kw)
+    with pytest.raises(SchemeError, match="3 layers, the model has 4"):
+        s.check_layers(4)
+
+
+def test_fp8_scales_store_half_the_metadata_and_round_trip_close_to_fp16():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 40, 64) * torch.tensor([1e-4, 1.0, 300.0]).view(1, 3, 1, 1)  # heads of very unlike scale
+    q16 = quantizer.quantize(x, 0.9, 2, 64)
+    lo, hi = quantizer.clip_bounds(x, 0.9, 64)
+    mult = quantizer.meta_multiplier((hi - lo) / 3, lo, (0, 2, 3))
+    assert mult.shape == (1, 3, 1, 1) and torch.all(torch.log2(mult) == torch.round(torch.log2(mult)))
+    q8 = quantizer.quantize(x, 0.9, 2, 64, "fp8", mult)
+    assert q8.scale.dtype == torch.float8_e4m3fn and q8.nbytes == q16.nbytes - 2 * q16.scale.numel()
+    e16 = (quantizer.dequantize(q16) - x).pow(2).mean((0, 2, 3))
+    e8 = (quantizer.dequantize(q8) - x).pow(2).mean((0, 2, 3))
+    assert torch.all(e8 < 1.3 * e16), (e8, e16)  # every head, whatever its scale
+    # one multiplier for all heads leaves the smallest head's scales at e4m3's floor: far worse there
+    q_one = quantizer.quantize(x, 0.9, 2, 64, "fp8", quantizer.meta_multiplier((hi - lo) / 3, lo, (0, 1, 2, 3)))
+    assert (quantizer.dequantize(q_one) - x).pow(2).mean((0, 2, 3))[0] > 2 * e16[0]
+
+
+def test_an_exact_kind_is_left_alone_by_the_round_trip():
+    lq = LayerQuant(2, EXACT, 64, None, None, torch.ones(1), torch.ones(1))
+    x = torch.randn(1, 2, 5, 64)
+    assert torch.equal(roundtrip(x, lq, "v"), x) and not torch.equal(roundtrip(x, lq, "k"), x.float())
