@@ -282,6 +282,11 @@ def test_unquantized_layers_unsupported_scheme_and_tp_are_refused():
     assert any("layer(s) 1 unquantized" in p for p in problems)
     art = fake_artifact(scheme=QuantScheme(bits=4, group=16))
     assert any("cannot run in the kernels" in p for p in model_refusals(art.manifest, facts())[0])
+    n = facts().num_layers
+    for scheme in (QuantScheme(group=16, bits_k=(4,) + (2,) * (n - 1), bits_v=(2,) * n),
+                   QuantScheme(group=16, scale_dtype="fp8")):  # a budgeted allocation, fp8 scales
+        problems = model_refusals(fake_artifact(scheme=scheme).manifest, facts())[0]
+        assert any("cannot run in the kernels" in p and "without --bits-per-element" in p for p in problems), problems
     assert any("--tp-size 3" in p for p in model_refusals(fake_artifact().manifest, facts(), tp_size=3)[0])
 
 

@@ -205,8 +205,14 @@ def model_refusals(manifest: Any, facts: ModelFacts, tp_size: int = 1, load_form
     why = manifest.scheme.kernel_support(facts.head_dim, "cuda")
     if why is not None:
         cuda_only = manifest.scheme.kernel_support(facts.head_dim) is None  # the kernels run it, not on CUDA
-        fix = ("serve it with `oscar serve --engine transformers`" if cuda_only
-               else "fit with --bits 2 and a power-of-two group")
+        sch = manifest.scheme
+        if cuda_only:
+            fix = "serve it with `oscar serve --engine transformers`"
+        elif sch.mixed or sch.scale_dtype != "fp16":
+            fix = ("the kernels serve uniform INT2 with fp16 scales: fit without --bits-per-element and --scale-dtype, "
+                   "or serve it with `oscar serve --engine transformers`")
+        else:
+            fix = "fit with --bits 2 and a power-of-two group"
         out.append(f"scheme {manifest.scheme.describe()} cannot run in the kernels: {why}; {fix}")
     t = tp_refusal(facts.kv_heads, tp_size)
     if t is not None:

@@ -1,0 +1,141 @@
+"""Where the INT2 error lives and what budgeted mixed precision buys: perplexity of one collected run's fits on two
+texts the calibration never saw, at equal bits.
+
+Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model smollm2-135m] [--data2 FILE]
+       [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024]
+       [--recipe recipes/smollm2-135m.yaml] [--commit SHA] [--results benchmarks/RESULTS.md]
+
+From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
+temporary artifact folder): uniform INT2 with fp16 scales (the scheme before allocations), uniform INT2 with fp8
+scales, and the budgeted allocation with fp8 scales at every ``--budgets`` value (registered in the store as any
+fit is). It
+scores each, and BF16, INT2-Hadamard and INT4-Hadamard (data-free baselines), teacher-forced through the
+decode-equivalent attention on ``--segments`` segments of the built-in held-out text and of ``--data2`` (a text outside
+the repository), and the fp16-scale fit with only its keys or only its values quantized (where the gap lives). Bits
+per element are the quantized part's (codes and scale/zero, K and V averaged; sinks and recent rows are BF16 in every
+row alike). Prints one table and appends it to RESULTS.md with date, device, commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from oscar_cli.results_md import append_section, markdown_table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--run", default="latest")
+    ap.add_argument("--model", default=None, help="the run's model (default: the store's copy or the embedded one)")
+    ap.add_argument("--recipe", default="recipes/smollm2-135m.yaml")
+    ap.add_argument("--data2", default=None, help="a second held-out text file (outside the repository)")
+    ap.add_argument("--segments", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--budgets", default="2.5,2.75,3.0,3.5")
+    ap.add_argument("--sensitivity-tokens", type=int, default=1024)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--results", default="benchmarks/RESULTS.md")
+    args = ap.parse_args(argv)
+
+    from oscar_cli import attention
+    from oscar_cli.artifact import load_artifact
+    from oscar_cli.config import load_recipe
+    from oscar_cli.data import heldout_text, read_text_file
+    from oscar_cli.eval.perplexity import perplexity
+    from oscar_cli.eval.segments import segments_of, token_ids
+    from oscar_cli.jobs import fit_model_spec, run_fit
+    from oscar_cli.kvquant import EXACT, build_layer_quants
+    from oscar_cli.methods import get_method, scheme_for
+    from oscar_cli.models import load_model
+    from oscar_cli.prepare import Prepared, head_dim_of, prepare
+    from oscar_cli.store import Store
+
+    torch.set_grad_enabled(False)
+    store = Store(Path(args.store), create=False)
+    run = store.get_run(args.run)
+    rec = load_recipe(Path(args.recipe))
+    budgets = [float(b) for b in args.budgets.split(",") if b]
+    base_cfg = dataclasses.replace(rec.fit, model=args.model)
+    loaded = load_model(fit_model_spec(store, run, base_cfg), store.root)
+    model, tok = loaded.model, loaded.tokenizer
+    d = head_dim_of(model.config)
+    texts = {"held-out (built-in)": heldout_text()}
+    if args.data2:
+        texts[f"held-out ({Path(args.data2).name})"] = read_text_file(args.data2)
+    segs = {name: segments_of(token_ids(tok, t), args.seq_len, args.segments) for name, t in texts.items()}
+
+    tmp = Path(tempfile.mkdtemp(prefix="oscar-bench-accuracy-"))
+    fits: dict[str, Path] = {}
+    t0 = time.time()
+    fp16 = dataclasses.replace(base_cfg, sensitivity_tokens=0, bits_per_element=None)
+    fits["oscar, INT2, fp16 scales"] = run_fit(store, args.run, fp16, tmp, "")[0]
+    fp8_scheme = dataclasses.replace(base_cfg.scheme, scale_dtype="fp8")
+    fp8 = dataclasses.replace(fp16, scheme=fp8_scheme)
+    fits["oscar, INT2, fp8 scales"] = run_fit(store, args.run, fp8, tmp, "")[0]
+    for b in budgets:
+        cfg = dataclasses.replace(fp8, bits_per_element=b, sensitivity_tokens=args.sensitivity_tokens)
+        fits[f"oscar, allocated @{b:g}, fp8 scales"] = run_fit(store, args.run, cfg, tmp, "")[0]
+    fit_s = time.time() - t0
+
+    def score(prep) -> dict[str, float]:
+        return {name: perplexity(model, s, prep) for name, s in segs.items()}
+
+    rows, ref = [], None
+
+    def add(label: str, bits: float | None, ppl: dict[str, float]) -> None:
+        nonlocal ref
+        ref = ref or ppl
+        cells = [f"{ppl[n]:.3f} (x{ppl[n] / ref[n]:.3f})" for n in segs]
+        rows.append([label, "16" if bits is None else f"{bits:.3f}", *cells])
+        print(rows[-1], flush=True)
+
+    m = get_method("bf16")
+    add("bf16", None, score(prepare(model, m, scheme_for(m, d))))
+    art0 = load_artifact(fits["oscar, INT2, fp16 scales"])
+    sink_recent = {"sink": art0.scheme.sink, "recent": art0.scheme.recent}
+    for name in ("int2-hadamard", "int4-hadamard"):
+        m = get_method(name)
+        s = scheme_for(m, d, overrides=sink_recent)
+        add(name, s.bits_per_element(d), score(prepare(model, m, s)))
+    oscar = get_method("oscar")
+    for label, path in fits.items():
+        art = load_artifact(path)
+        add(label, art.scheme.bits_per_element(d, art.layers), score(prepare(model, oscar, art.scheme, art)))
+    # where the gap lives: the fp16 fit with only one kind quantized
+    quants = build_layer_quants(oscar, art0.scheme, model.config.num_hidden_layers, d,
+                                model.config.num_key_value_heads, art0)
+    for label, kw in (("oscar fp16, keys only (values exact)", dict(bits_v=EXACT)),
+                      ("oscar fp16, values only (keys exact)", dict(bits_k=EXACT))):
+        qs = [None if q is None else dataclasses.replace(q, **kw) for q in quants]
+        attention.install(model, qs, art0.scheme)
+        add(label, art0.scheme.bits_per_element(d, art0.layers),
+            score(Prepared(oscar, art0.scheme, qs, art0.name)))
+
+    headers = ["method", "bits/element (quantized part)", *(f"ppl {n}" for n in segs)]
+    table = markdown_table(headers, rows)
+    print(table)
+    alloc = {label: load_artifact(p).scheme for label, p in fits.items() if "allocated" in label}
+    extra = "\n".join(f"- {label}: 4-bit keys in layers "
+                      f"{[i for i, w in enumerate(s.bits_k) if w == 4]}, 4-bit values in "
+                      f"{[i for i, w in enumerate(s.bits_v) if w == 4]}" for label, s in alloc.items())
+    device = "CPU (" + ("fp32, " if next(model.parameters()).dtype == torch.float32 else "") + f"{torch.get_num_threads()} threads)"
+    append_section(
+        args.results, f"Accuracy at equal bits ({run.model_slug})", device, args.commit or "unknown",
+        f"Run {run.run_id} ({run.tokens} calibration tokens), recipe {args.recipe}; {args.segments} segments of "
+        f"{args.seq_len} tokens per text, teacher-forced through the decode-equivalent attention; sink "
+        f"{art0.scheme.sink}, recent {art0.scheme.recent}; fits and the sensitivity pass "
+        f"({args.sensitivity_tokens} calibration tokens) took {fit_s:.0f} s.",
+        table, command=sys.argv if argv is None else ["benchmarks/bench_accuracy.py", *argv], extra=extra + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
