@@ -66,9 +66,10 @@ kernels hold the exact (sink, recent) rows in bf16: two bf16 steps (2^-8) bound 
 LOGITS_TOL = 1.5e-2
 """The logits after both layers: layer 0's bf16 differences move layer 1's rows, and a few of its INT2 codes flip
 (measured up to ~1e-2); an off-by-one sink or recent moves them by ~5e-2."""
-GENERATE_TOLS = (2e-2, 1e-2)
+GENERATE_TOLS = (3e-2, 1e-2)
 """(logits, layer-0 output) bounds of a 20-step generation through a pool that grows twice: on a GPU its decode steps
-run the kernels' fp16/bf16 tensor-core products, whose relative output error the kernel tests bound by 1e-2. A cache
+run the kernels' fp16/bf16 tensor-core products, whose relative output error the kernel tests bound by 1e-2; the
+logits compound two layers of it (an H200 measured 2.0e-2 on the prefill's logits with layer 0 at 1.8e-3). A cache
 keeping one recent row fewer moves them by ~6e-2 from the first step (measured on the CPU)."""
 
 
@@ -190,7 +191,7 @@ def test_backend_choice_and_refusals(monkeypatch):
     with pytest.raises(OscarError, match="layer 0: per-channel"):
         OscarCache(model, kivi, scheme, backend="kernels")
     four = build_layer_quants(get_method("int4-hadamard"), scheme_for(get_method("int4-hadamard"), D), 2, D, 2)
-    with pytest.raises(OscarError, match="4-bit codes"):
+    with pytest.raises(OscarError, match="4-bit keys and 4-bit values"):
         OscarCache(model, four, scheme, backend="kernels")
     with pytest.raises(OscarError, match="unknown cache backend"):
         OscarCache(model, kivi, scheme, backend="fast")
