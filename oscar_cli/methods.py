@@ -29,7 +29,6 @@ method runs with, and :mod:`oscar_cli.kvquant` turns method + scheme into per-la
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from dataclasses import dataclass, replace
 
@@ -267,7 +266,7 @@ def scheme_for(method: Method, head_dim: int, *, artifact_scheme: QuantScheme | 
 
 def scheme_record(scheme: QuantScheme, overrides: dict[str, int]) -> dict:
     """What an ``evals`` row stores about the scheme: the effective scheme and the explicit overrides."""
-    return {"scheme": dataclasses.asdict(scheme), "overrides": dict(overrides)}
+    return {"scheme": scheme.to_dict(), "overrides": dict(overrides)}
 
 
 def hf_backend(method: Method) -> str:
