@@ -2,14 +2,14 @@
 texts the calibration never saw, at equal bits.
 
 Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model smollm2-135m] [--data2 FILE]
-       [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024] [--group G]
+       [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024] [--group G] [--layers SPEC]
        [--recipe recipes/smollm2-135m.yaml] [--commit SHA] [--results benchmarks/RESULTS.md]
 
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
 temporary artifact folder): uniform INT2 with fp16 scales (the scheme before allocations), uniform INT2 with fp8
 scales, and the budgeted allocation with fp8 scales at every ``--budgets`` value (registered in the store as any
 fit is). It
-scores each, and BF16, INT2-Hadamard and INT4-Hadamard (data-free baselines), teacher-forced through the
+scores each, and BF16, INT2-Hadamard, KIVI-2 and INT4-Hadamard (data-free baselines), teacher-forced through the
 decode-equivalent attention on ``--segments`` segments of the built-in held-out text and of ``--data2`` (a text outside
 the repository), and the fp16-scale fit with only its keys or only its values quantized (where the gap lives). Bits
 per element are the quantized part's (codes and scale/zero, K and V averaged; sinks and recent rows are BF16 in every
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="2.5,2.75,3.0,3.5")
     ap.add_argument("--sensitivity-tokens", type=int, default=1024)
     ap.add_argument("--group", type=int, default=None, help="override the recipe's scheme group (0: the head dim)")
+    ap.add_argument("--layers", default=None, help="override the recipe's fitted layers (others stay BF16)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     rec = load_recipe(Path(args.recipe))
     budgets = [float(b) for b in args.budgets.split(",") if b]
     base_cfg = dataclasses.replace(rec.fit, model=args.model)
+    if args.layers is not None:
+        base_cfg = dataclasses.replace(base_cfg, layers=args.layers)
     if args.group is not None:
         base_cfg = dataclasses.replace(base_cfg, scheme=dataclasses.replace(base_cfg.scheme, group=args.group))
     loaded = load_model(fit_model_spec(store, run, base_cfg), store.root)
@@ -104,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     add("bf16", None, score(prepare(model, m, scheme_for(m, d))))
     art0 = load_artifact(fits["oscar, INT2, fp16 scales"])
     sink_recent = {"sink": art0.scheme.sink, "recent": art0.scheme.recent}
-    for name in ("int2-hadamard", "int4-hadamard"):
+    for name in ("int2-hadamard", "int2-kivi", "int4-hadamard"):
         m = get_method(name)
         s = scheme_for(m, d, overrides=sink_recent)
-        add(name, s.bits_per_element(d), score(prepare(model, m, s)))
+        add(f"{name} (its own sink/recent)" if m.own_sink_recent else name, s.bits_per_element(d),
+            score(prepare(model, m, s)))
     oscar = get_method("oscar")
     for label, path in fits.items():
         art = load_artifact(path)
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     append_section(
         args.results, f"Accuracy at equal bits ({run.model_slug})", device, args.commit or "unknown",
         f"Run {run.run_id} ({run.tokens} calibration tokens), recipe {args.recipe}; {args.segments} segments of "
-        f"{args.seq_len} tokens per text, group {art0.scheme.group}, teacher-forced through the decode-equivalent attention; sink "
+        f"{args.seq_len} tokens per text, group {art0.scheme.group}, layers {base_cfg.layers}, teacher-forced through the decode-equivalent attention; sink "
         f"{art0.scheme.sink}, recent {art0.scheme.recent}; fits and the sensitivity pass "
         f"({args.sensitivity_tokens} calibration tokens) took {fit_s:.0f} s.",
         table, command=sys.argv if argv is None else ["benchmarks/bench_accuracy.py", *argv], extra=extra + "\n")
