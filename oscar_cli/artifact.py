@@ -6,7 +6,8 @@ An artifact is a folder ``<root>/<model-slug>/v<N>/`` holding
   rotation shared by all KV heads or ``h = kv_heads`` (``--per-head``); ``clip_k``, ``clip_v`` ``[n, h]`` clip ratios;
   ``eig_k``, ``eig_v`` ``[n, h, d]`` descending eigenvalues of the targets the rotations came from (zeros for
   data-free methods); with fp8 scales (``scheme.scale_dtype``), ``mult_k``, ``mult_v`` ``[n, kv_heads]`` the power-of-two
-  multipliers the scales and zeros are stored in units of;
+  multipliers the scales and zeros are stored in units of; with ``scheme.center_keys``, ``center_k`` ``[n, kv_heads, d]``
+  the key centers (model basis);
 * ``manifest.json`` (:class:`Manifest`, schema version 2): model fingerprint, run id, stats and data digests, fit
   method, the quant scheme (:class:`oscar_kernels.scheme.QuantScheme`), code version (package version + git commit),
   created, fit-time metrics and ``content_hash`` (sha256 of ``rotations.safetensors``);
@@ -136,6 +137,7 @@ class LayerRotation:
     clip_v: torch.Tensor
     mult_k: torch.Tensor | None = None
     mult_v: torch.Tensor | None = None
+    center_k: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ class Artifact:
             return None
         i = layers.index(idx)
         t = self.tensors
-        mult = {k: t[k][i].float() if k in t else None for k in ("mult_k", "mult_v")}
+        mult = {k: t[k][i].float() if k in t else None for k in ("mult_k", "mult_v", "center_k")}
         return LayerRotation(t["r_k"][i], t["r_v"][i], t["clip_k"][i], t["clip_v"][i], **mult)
 
 
@@ -233,6 +235,10 @@ def _check_tensors(tensors: dict[str, torch.Tensor], m: Manifest, where) -> None
             raise ArtifactError(f"{where}: the scheme stores fp8 scales but the tensors lack "
                                 f"{', '.join(sorted(missing))}; re-run `oscar fit`")
         want.update(mult_k=(n, hkv), mult_v=(n, hkv))
+    if m.scheme.center_keys:
+        if "center_k" not in tensors:
+            raise ArtifactError(f"{where}: the scheme centers keys but the tensors lack center_k; re-run `oscar fit`")
+        want["center_k"] = (n, hkv, d)
     if m.scheme.bits_k and len(m.scheme.bits_k) != m.shape.n_layers:
         raise ArtifactError(f"{where}: the scheme allocates widths for {len(m.scheme.bits_k)} layers, the model has "
                             f"{m.shape.n_layers}; re-run `oscar fit`")

@@ -61,6 +61,7 @@ class LayerFit:
     metrics: dict = field(default_factory=dict)
     clips: dict = field(default_factory=dict)
     data: LayerData | None = None
+    center_k: torch.Tensor | None = None  # [H, d] float64, with the scheme's center_keys
 
 
 def _heads(r: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -95,10 +96,13 @@ def meta_multipliers(rows: torch.Tensor, r: torch.Tensor, clip: torch.Tensor, bi
     return meta_multiplier((hi - lo) / ((1 << bits) - 1), lo, (0, 2)).view(H).float()
 
 
-def key_distortion(data: LayerData, r, clip, bits: int, group: int, meta: str = "fp16") -> torch.Tensor:
-    """Relative logit error D_K per clip candidate and head: clip ``[C, h]`` -> ``[C, H]``."""
+def key_distortion(data: LayerData, r, clip, bits: int, group: int, meta: str = "fp16",
+                   center: torch.Tensor | None = None) -> torch.Tensor:
+    """Relative logit error D_K per clip candidate and head: clip ``[C, h]`` -> ``[C, H]``; ``center`` ``[H, d]``:
+    the keys are quantized minus it (and it is added back)."""
     k = data.k_rows.double()
-    dk = k.unsqueeze(0) - roundtrip(k, r, clip, bits, group, meta)
+    kc = k if center is None else k - center.double()
+    dk = kc.unsqueeze(0) - roundtrip(kc, r, clip, bits, group, meta)
     num = torch.einsum("cnhd,hde,cnhe->ch", dk, data.cq, dk)
     den = torch.einsum("nhd,hde,nhe->h", k, data.cq, k)
     return num / den
@@ -186,9 +190,10 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int, widths: tuple[int,
     fit_half, held = data.split()
     r_k, r_v, e_k, e_v = fit_rotations(data, cfg.rotation, group, cfg.per_head)
     h = r_k.shape[0]
+    center = fit_half.k_rows.double().mean(0) if q.center_keys else None  # [H, d]
 
     def kmetric(half, bits=q.bits):
-        return lambda r, c: key_distortion(half, r, c, bits, group, meta)
+        return lambda r, c: key_distortion(half, r, c, bits, group, meta, center)
 
     def vmetric(half, bits=q.bits):
         return lambda r, c: value_distortion(half, r, c, bits, group, meta)
@@ -240,12 +245,13 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int, widths: tuple[int,
                         for kind in ("k", "v")}
             for bits in clips
         }
-    return LayerFit(r_k, r_v, clip_k, clip_v, e_k, e_v, metrics, clips, data)
+    return LayerFit(r_k, r_v, clip_k, clip_v, e_k, e_v, metrics, clips, data, center)
 
 
 def layer_multipliers(f: LayerFit, bits_k: int, bits_v: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 metadata multipliers ``[H]`` of a fitted layer's keys and values at their widths, over all its rows."""
-    return (meta_multipliers(f.data.k_rows, f.r_k, f.clips[bits_k][0], bits_k, group),
+    k = f.data.k_rows if f.center_k is None else f.data.k_rows - f.center_k
+    return (meta_multipliers(k, f.r_k, f.clips[bits_k][0], bits_k, group),
             meta_multipliers(f.data.v_rows, f.r_v, f.clips[bits_v][1], bits_v, group))
 
 
@@ -266,6 +272,8 @@ def stack_fits(layers: list[int], fits: list[LayerFit], scheme=None, group: int 
         "eig_k": torch.stack([f.eig_k for f in fits]).float(),
         "eig_v": torch.stack([f.eig_v for f in fits]).float(),
     }
+    if scheme is not None and scheme.center_keys:
+        out["center_k"] = torch.stack([f.center_k for f in fits]).float()
     if scheme is not None and scheme.scale_dtype == "fp8":
         mults = [layer_multipliers(f, width(i, "k"), width(i, "v"), group) for i, f in zip(layers, fits, strict=True)]
         out["mult_k"] = torch.stack([m[0] for m in mults])

@@ -120,7 +120,8 @@ def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int
         for w, (ck, cv) in f.clips.items():
             mk, mv = layer_multipliers(f, w, w, group) if q.scale_dtype == "fp8" else (None, None)
             quants[layer][w] = LayerQuant(w, w, group, f.r_k.float(), f.r_v.float(), ck.float(), cv.float(),
-                                          meta=q.scale_dtype, mult_k=mk, mult_v=mv)
+                                          meta=q.scale_dtype, mult_k=mk, mult_v=mv,
+                                          center_k=None if f.center_k is None else f.center_k.float())
     return measure(loaded.model, segments, quants, q, progress=progress)
 
 

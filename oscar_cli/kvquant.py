@@ -32,6 +32,8 @@ class LayerQuant:
     :data:`EXACT` keeps that kind exact); ``r_k``/``r_v``: fp32 ``[h, d, d]`` (h = 1 or kv heads) or None
     for no rotation; ``clip_k``/``clip_v``: fp32 ``[h]``; ``meta``: the scale/zero storage (``fp16`` | ``fp8``) with
     ``mult_k``/``mult_v`` fp32 ``[h]`` the fitted FP8 multipliers (None: taken from the rows each write);
+    ``center_k``: fp32 ``[H, d]`` the key center subtracted before quantizing and added back after (the same as
+    centering every key row: softmax ignores the per-query shift), or None;
     ``token_block``: tokens quantized together (32 for per-channel keys, else 1) — the quantized region always
     grows by whole blocks. ``decode``: the decode kernel's options; the reference attention emulates their numerics
     (``int8_scores``: the INT2 rows' scores from each query rounded to int8 in the rotated basis,
@@ -52,6 +54,7 @@ class LayerQuant:
     meta: str = "fp16"
     mult_k: torch.Tensor | None = None
     mult_v: torch.Tensor | None = None
+    center_k: torch.Tensor | None = None
 
     @property
     def token_block(self) -> int:
@@ -63,7 +66,7 @@ class LayerQuant:
     def to(self, device: torch.device | str) -> LayerQuant:
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return replace(self, r_k=mv(self.r_k), r_v=mv(self.r_v), clip_k=mv(self.clip_k), clip_v=mv(self.clip_v),
-                       mult_k=mv(self.mult_k), mult_v=mv(self.mult_v))
+                       mult_k=mv(self.mult_k), mult_v=mv(self.mult_v), center_k=mv(self.center_k))
 
 
 def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_dim: int, kv_heads: int,
@@ -110,7 +113,8 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
         else:
             ck, cv = torch.full((h,), method.clip[0]), torch.full((h,), method.clip[1])
         out.append(LayerQuant(scheme.width(i, "k"), scheme.width(i, "v"), group, lr.r_k.float(), lr.r_v.float(), ck,
-                              cv, decode=method.decode, meta=scheme.scale_dtype, mult_k=lr.mult_k, mult_v=lr.mult_v))
+                              cv, decode=method.decode, meta=scheme.scale_dtype, mult_k=lr.mult_k, mult_v=lr.mult_v,
+                              center_k=lr.center_k if scheme.center_keys else None))
     return out
 
 
@@ -138,6 +142,8 @@ def quantize_rows(x: torch.Tensor, lq: LayerQuant, which: str) -> quantizer.Quan
         raise ValueError(f"the layer's {which} rows are exact; nothing to quantize")
     mult = lq.mult_k if which == "k" else lq.mult_v
     xf = x.float()
+    if which == "k" and lq.center_k is not None:
+        xf = xf - lq.center_k.to(xf.device)[:, None, :]
     if r is not None:
         xf = xf @ r.to(xf.device)
     if which == "k" and lq.key_axis == "channel":
@@ -158,6 +164,8 @@ def dequantize_rows(q: quantizer.QuantizedRows, lq: LayerQuant, which: str) -> t
     r = lq.r_k if which == "k" else lq.r_v
     if r is not None:
         x = x @ r.to(x.device).transpose(-1, -2)
+    if which == "k" and lq.center_k is not None:
+        x = x + lq.center_k.to(x.device)[:, None, :]
     return x
 
 

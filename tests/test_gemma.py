@@ -42,6 +42,17 @@ def test_gemma_shaped_model_through_collect_fit_inspect_and_eval(tmp_path, tiny_
     assert set(rows) == {"bf16", "int2-hadamard", "oscar"}
     assert rows["oscar"]["config"]["scheme"]["scale_dtype"] == "fp8"
     assert rows["oscar"]["value"] != rows["bf16"]["value"]  # the quantized rows are read (past the 16-token window)
+    # key centering as a fit option: the artifact holds the centers, eval reads them
+    r = invoke("fit", "--store", store, "--artifacts", arts, "--sink", "2", "--recent", "4", "--center-keys")
+    assert r.exit_code == 0, r.output
+    from oscar_cli.artifact import load_artifact
+
+    art = load_artifact(next(arts.glob("*/v2")))
+    assert art.scheme.center_keys and art.tensors["center_k"].shape == (4, 1, 32)
+    r = invoke("eval", "--model", tiny_gemma_dir, "--store", store, "--tasks", "oscar_ppl", "--methods", "oscar",
+               "--artifact", art.path, "--seq-lengths", "64", "--limit", "2", "--data", data, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)[0]["config"]["scheme"]["center_keys"] is True
 
 
 def test_the_embedded_gemma_names_its_packages_and_cleans_up_a_failed_assembly(tmp_path, monkeypatch):

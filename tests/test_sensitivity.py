@@ -109,3 +109,38 @@ def test_an_exact_kind_is_left_alone_by_the_round_trip():
     lq = LayerQuant(2, EXACT, 64, None, None, torch.ones(1), torch.ones(1))
     x = torch.randn(1, 2, 5, 64)
     assert torch.equal(roundtrip(x, lq, "v"), x) and not torch.equal(roundtrip(x, lq, "k"), x.float())
+
+
+def test_key_centering_is_the_same_attention_as_every_key_row_centered():
+    """Quantizing k - mu and adding mu back (what the cache reads) attends exactly like centering every key row,
+    INT2 and exact alike, without adding it back: the softmax ignores the per-query shift q.mu."""
+    from oscar_cli.attention import mixed_attention, rt_mask
+
+    torch.manual_seed(1)
+    b, hkv, hq, n, d = 1, 2, 4, 24, 64
+    q, k, v = torch.randn(b, hq, n, d), torch.randn(b, hkv, n, d) + 3.0, torch.randn(b, hkv, n, d)
+    mu = k.mean((0, 2))  # [H, d]
+    r = torch.linalg.qr(torch.randn(hkv, d, d))[0]
+    plain = LayerQuant(2, 2, 64, r, r, torch.ones(hkv), torch.ones(hkv))
+    centered = LayerQuant(2, 2, 64, r, r, torch.ones(hkv), torch.ones(hkv), center_k=mu)
+    q_pos = torch.arange(n)
+    allowed = (torch.arange(n)[None, :] <= q_pos[:, None])[None, None]
+    use = rt_mask(q_pos, 2, n - 2, torch.tensor([2]), 2, 4, 1)
+    v_rt = roundtrip(v[:, :, 2:], plain, "v")
+    a = mixed_attention(q, k, v, allowed, 0.125, roundtrip(k[:, :, 2:], centered, "k"), v_rt, use, 2)
+    kc = k - mu[None, :, None, :]
+    b_ = mixed_attention(q, kc, v, allowed, 0.125, roundtrip(kc[:, :, 2:], plain, "k"), v_rt, use, 2)
+    torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-4)
+    # and centering changes what is stored: the keys' offset no longer spends the INT2 range
+    err_c = (roundtrip(k, centered, "k") - k).pow(2).mean()
+    err_p = (roundtrip(k, plain, "k") - k).pow(2).mean()
+    assert err_c < err_p
+
+
+def test_a_centered_scheme_records_its_centers_and_is_refused_by_the_kernels():
+    s = QuantScheme(group=64, center_keys=True)
+    assert s.describe() == "int2.g64.ck.s64.r256" and QuantScheme.from_dict(s.to_dict()) == s
+    assert "center_keys" not in QuantScheme().to_dict()
+    assert "centers them" in s.kernel_support(64)
+    with pytest.raises(SchemeError, match="center_keys must be true or false"):
+        QuantScheme(center_keys="yes")

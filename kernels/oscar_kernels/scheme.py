@@ -15,6 +15,8 @@ default is written.
   divided by a power-of-two multiplier fitted per layer, K/V and KV head, which the artifact holds: 16 bits of
   metadata per group instead of 32).
 * ``levels``: how codes map to values (``uniform``: ``code * scale + zero``, codes ``0 .. 2**bits - 1``).
+* ``center_keys``: keys are stored minus a fitted center per layer and KV head (the artifact's ``center_k``), every
+  row the softmax sees alike: scores shift by ``q·μ`` per query, which the softmax ignores.
 
 Pure Python (no torch), so every layer of the project, and the serving engine's processes, can import it.
 """
@@ -63,8 +65,11 @@ class QuantScheme:
     levels: str = "uniform"
     bits_k: tuple[int, ...] = ()
     bits_v: tuple[int, ...] = ()
+    center_keys: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.center_keys, bool):
+            raise SchemeError(f"scheme center_keys must be true or false, got {self.center_keys!r}")
         for name in ("bits_k", "bits_v"):
             v = getattr(self, name)
             if not isinstance(v, (tuple, list)) or any(w not in WIDTHS or isinstance(w, bool) for w in v):
@@ -149,6 +154,8 @@ class QuantScheme:
                     f"to some (bits_k/bits_v)")
         if self.scale_dtype != "fp16":
             return f"the kernels read fp16 scales and zeros, the scheme stores {self.scale_dtype}"
+        if self.center_keys:
+            return "the kernels store keys uncentered, the scheme centers them (center_keys)"
         g = self.group_for(head_dim)
         for name, v in (("head dim", head_dim), ("group", g)):
             if v < 16 or v & (v - 1):
@@ -156,13 +163,15 @@ class QuantScheme:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form; the allocation only when there is one (a uniform scheme reads as before allocations)."""
+        """JSON form; the allocation and key centering only when there are (such a scheme reads as before them)."""
         d = dataclasses.asdict(self)
         for name in ("bits_k", "bits_v"):
             if d[name]:
                 d[name] = list(d[name])
             else:
                 del d[name]
+        if not d["center_keys"]:
+            del d["center_keys"]
         return d
 
     @classmethod
@@ -184,7 +193,8 @@ class QuantScheme:
         if self.mixed:
             width = f"mix2-4k{sum(w == 4 for w in self.bits_k)}v{sum(w == 4 for w in self.bits_v)}"
         meta = "" if self.scale_dtype == "fp16" else f".{self.scale_dtype}"
-        return f"{width}.g{g}{meta}.s{self.sink}.r{self.recent}"
+        center = ".ck" if self.center_keys else ""
+        return f"{width}.g{g}{meta}{center}.s{self.sink}.r{self.recent}"
 
 
 class DecodeOptionsError(SchemeError):

@@ -28,6 +28,9 @@ def fit(
     recent: Annotated[int | None, typer.Option(help="Most recent tokens kept in BF16 (recorded in the scheme).")] = None,
     scale_dtype: Annotated[str | None, typer.Option(help="Scale/zero storage: fp16 (32 bits per group) or fp8 (16 "
                                                      "bits, e4m3 with a fitted multiplier per layer and KV head).")] = None,
+    center_keys: Annotated[bool | None, typer.Option("--center-keys/--no-center-keys", help="Store keys minus a "
+                                                     "fitted center per layer and KV head (exact: softmax ignores "
+                                                     "the shift).")] = None,
     bits_per_element: Annotated[float | None, typer.Option(
         help="Budget in storage bits per quantized element (codes + scale/zero, K and V averaged): 4-bit keys or "
              "values go to the layers where the measured sensitivity says they buy the most.")] = None,
@@ -56,7 +59,8 @@ def fit(
     rec = load_recipe(recipe) if recipe else None
     base = rec.fit if rec else FitConfig()
     scheme = dataclasses.replace(base.scheme, **{k: v for k, v in dict(bits=bits, group=group, sink=sink, recent=recent,
-                                                                       scale_dtype=scale_dtype).items()
+                                                                       scale_dtype=scale_dtype,
+                                                                       center_keys=center_keys).items()
                                                  if v is not None})
     overrides = {k: v for k, v in dict(layers=layers, method=method, per_head=per_head, fit_clip=fit_clip,
                                        bits_per_element=bits_per_element, sensitivity_tokens=sensitivity_tokens,
