@@ -7,7 +7,7 @@ An artifact is a folder ``<root>/<model-slug>/v<N>/`` holding
   ``eig_k``, ``eig_v`` ``[n, h, d]`` descending eigenvalues of the targets the rotations came from (zeros for
   data-free methods); with fp8 scales (``scheme.scale_dtype``), ``mult_k``, ``mult_v`` ``[n, kv_heads]`` the power-of-two
   multipliers the scales and zeros are stored in units of; with ``scheme.center_keys``, ``center_k`` ``[n, kv_heads, d]``
-  the key centers (model basis);
+  the key centers (model basis); with ``scheme.levels == "fitted"``, ``levels_k``, ``levels_v`` ``[n, kv_heads, 4]``;
 * ``manifest.json`` (:class:`Manifest`, schema version 2): model fingerprint, run id, stats and data digests, fit
   method, the quant scheme (:class:`oscar_kernels.scheme.QuantScheme`), code version (package version + git commit),
   created, fit-time metrics and ``content_hash`` (sha256 of ``rotations.safetensors``);
@@ -138,6 +138,8 @@ class LayerRotation:
     mult_k: torch.Tensor | None = None
     mult_v: torch.Tensor | None = None
     center_k: torch.Tensor | None = None
+    levels_k: torch.Tensor | None = None
+    levels_v: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ class Artifact:
             return None
         i = layers.index(idx)
         t = self.tensors
-        mult = {k: t[k][i].float() if k in t else None for k in ("mult_k", "mult_v", "center_k")}
+        mult = {k: t[k][i].float() if k in t else None for k in ("mult_k", "mult_v", "center_k", "levels_k", "levels_v")}
         return LayerRotation(t["r_k"][i], t["r_v"][i], t["clip_k"][i], t["clip_v"][i], **mult)
 
 
@@ -239,6 +241,12 @@ def _check_tensors(tensors: dict[str, torch.Tensor], m: Manifest, where) -> None
         if "center_k" not in tensors:
             raise ArtifactError(f"{where}: the scheme centers keys but the tensors lack center_k; re-run `oscar fit`")
         want["center_k"] = (n, hkv, d)
+    if m.scheme.levels == "fitted":
+        missing = {"levels_k", "levels_v"} - set(tensors)
+        if missing:
+            raise ArtifactError(f"{where}: the scheme has fitted levels but the tensors lack "
+                                f"{', '.join(sorted(missing))}; re-run `oscar fit`")
+        want.update(levels_k=(n, hkv, 4), levels_v=(n, hkv, 4))
     if m.scheme.bits_k and len(m.scheme.bits_k) != m.shape.n_layers:
         raise ArtifactError(f"{where}: the scheme allocates widths for {len(m.scheme.bits_k)} layers, the model has "
                             f"{m.shape.n_layers}; re-run `oscar fit`")

@@ -21,7 +21,7 @@ import torch
 from . import rotation as rot
 from .config import FitConfig
 from .methods import Rotation
-from .quantizer import clip_bounds, fake_quant, meta_multiplier
+from .quantizer import clip_bounds, fake_quant, lloyd_max, meta_multiplier
 
 
 @dataclass
@@ -62,6 +62,7 @@ class LayerFit:
     clips: dict = field(default_factory=dict)
     data: LayerData | None = None
     center_k: torch.Tensor | None = None  # [H, d] float64, with the scheme's center_keys
+    tables: dict = field(default_factory=dict)  # {width: (levels_k, levels_v)} [H, 2**width], fitted levels
 
 
 def _heads(r: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -69,11 +70,12 @@ def _heads(r: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def roundtrip(rows: torch.Tensor, r: torch.Tensor, clip: torch.Tensor, bits: int, group: int,
-              meta: str = "fp16") -> torch.Tensor:
+              meta: str = "fp16", table: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize rows in the rotated basis and rotate back, for several clip candidates at once.
 
     rows ``[n, H, d]``; r ``[h, d, d]`` (h = 1 or H); clip ``[C, h]`` -> float64 ``[C, n, H, d]``. FP8 metadata
-    (``meta="fp8"``) is stored in units of one multiplier per candidate and head (:func:`meta_multipliers`).
+    (``meta="fp8"``) is stored in units of one multiplier per candidate and head (:func:`meta_multipliers`);
+    ``table`` ``[C, H, 2**bits]``: fitted levels per candidate and head (None: uniform).
     """
     H = rows.shape[1]
     r = _heads(r.double(), H)
@@ -84,7 +86,8 @@ def roundtrip(rows: torch.Tensor, r: torch.Tensor, clip: torch.Tensor, bits: int
     if meta == "fp8":
         lo, hi = clip_bounds(x, ratio, group)
         mult = meta_multiplier((hi - lo) / ((1 << bits) - 1), lo, (1, 3))  # [C, 1, H, 1]
-    xq = fake_quant(x, ratio, bits=bits, group=group, meta=meta, mult=mult)  # [C, n, H, d]
+    t = None if table is None else table.double().view(table.shape[0], 1, H, 1, -1)
+    xq = fake_quant(x, ratio, bits=bits, group=group, meta=meta, mult=mult, table=t)  # [C, n, H, d]
     return torch.einsum("cnhe,hde->cnhd", xq.double(), r)
 
 
@@ -97,22 +100,23 @@ def meta_multipliers(rows: torch.Tensor, r: torch.Tensor, clip: torch.Tensor, bi
 
 
 def key_distortion(data: LayerData, r, clip, bits: int, group: int, meta: str = "fp16",
-                   center: torch.Tensor | None = None) -> torch.Tensor:
+                   center: torch.Tensor | None = None, table: torch.Tensor | None = None) -> torch.Tensor:
     """Relative logit error D_K per clip candidate and head: clip ``[C, h]`` -> ``[C, H]``; ``center`` ``[H, d]``:
-    the keys are quantized minus it (and it is added back)."""
+    the keys are quantized minus it (and it is added back); ``table``: fitted levels (:func:`roundtrip`)."""
     k = data.k_rows.double()
     kc = k if center is None else k - center.double()
-    dk = kc.unsqueeze(0) - roundtrip(kc, r, clip, bits, group, meta)
+    dk = kc.unsqueeze(0) - roundtrip(kc, r, clip, bits, group, meta, table)
     num = torch.einsum("cnhd,hde,cnhe->ch", dk, data.cq, dk)
     den = torch.einsum("nhd,hde,nhe->h", k, data.cq, k)
     return num / den
 
 
-def value_distortion(data: LayerData, r, clip, bits: int, group: int, meta: str = "fp16") -> torch.Tensor:
+def value_distortion(data: LayerData, r, clip, bits: int, group: int, meta: str = "fp16",
+                     center: torch.Tensor | None = None, table: torch.Tensor | None = None) -> torch.Tensor:
     """Score-weighted relative value error D_V per clip candidate and head: clip ``[C, h]`` -> ``[C, H]``."""
     k, v = data.k_rows.double(), data.v_rows.double()
     w = torch.einsum("nhd,hde,nhe->nh", k, data.cq, k)
-    dv = v.unsqueeze(0) - roundtrip(v, r, clip, bits, group, meta)
+    dv = v.unsqueeze(0) - roundtrip(v, r, clip, bits, group, meta, table)
     num = (w * dv.pow(2).sum(-1)).sum(1)
     den = (w * v.pow(2).sum(-1)).sum(0)
     return num / den
@@ -141,6 +145,44 @@ def fit_clip(metric, data: LayerData, kind: str, r: torch.Tensor, grid: tuple[fl
     if per_head:
         return g[curves.argmin(0)], curve
     return g[total.argmin()].view(1), curve
+
+
+def fit_levels(data: LayerData, kind: str, r: torch.Tensor, grid: tuple[float, ...], bits: int, group: int,
+               meta: str, per_head: bool, center: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Fitted levels jointly with the clip: for every clip candidate, weighted Lloyd-Max levels per KV head of the
+    rows normalized to their groups' ``[0, 2**bits - 1]`` (keys weighed per rotated direction by the query energy
+    ``diag(Rᵀ C_Q R)``, values per row by the score weight ``k C_Q kᵀ``: the attention-aware objectives of
+    :func:`key_distortion` / :func:`value_distortion`), then the candidate whose levels give the least distortion.
+    Returns (clip ``[h]``, levels ``[H, 2**bits]``, curve)."""
+    rows = (data.k_rows if kind == "k" else data.v_rows).double()
+    if center is not None and kind == "k":
+        rows = rows - center.double()
+    H, L = rows.shape[1], (1 << bits) - 1
+    rr = _heads(r.double(), H)
+    x = torch.einsum("nhd,hde->nhe", rows, rr)  # [n, H, d]
+    k = data.k_rows.double()
+    if kind == "k":
+        w = torch.einsum("hde,hdf,hfe->he", rr, data.cq, rr).clamp_min(0).unsqueeze(0).expand_as(x)  # [n, H, d]
+    else:
+        w = torch.einsum("nhd,hde,nhe->nh", k, data.cq, k).unsqueeze(-1).expand_as(x)
+    tables = []
+    for c in grid:
+        lo, hi = clip_bounds(x, c, group)  # [n, H, G]
+        scale = ((hi - lo) / L).clamp_min(1e-12)
+        u = ((x.unflatten(-1, (-1, group)) - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, L).flatten(-2)
+        tables.append(torch.stack([lloyd_max(u[:, h], w[:, h], bits) for h in range(H)]))
+    table = torch.stack(tables)  # [C, H, L + 1]
+    g = torch.tensor(grid, dtype=torch.float64)
+    metric = key_distortion if kind == "k" else value_distortion
+    curves = metric(data, r, g.view(-1, 1), bits, group, meta, center, table)  # [C, H]
+    total = pooled(curves, data, kind)
+    curve = [(cc, v.item()) for cc, v in zip(grid, total, strict=True)]
+    if per_head:
+        best = curves.argmin(0)  # [H]
+        return g[best], table[best, torch.arange(H)], curve
+    best = int(total.argmin())
+    return g[best].view(1), table[best], curve
 
 
 def fit_rotations(data: LayerData, rotation: Rotation, group: int, per_head: bool) -> tuple[torch.Tensor, ...]:
@@ -192,20 +234,28 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int, widths: tuple[int,
     h = r_k.shape[0]
     center = fit_half.k_rows.double().mean(0) if q.center_keys else None  # [H, d]
 
-    def kmetric(half, bits=q.bits):
-        return lambda r, c: key_distortion(half, r, c, bits, group, meta, center)
+    def kmetric(half, bits=q.bits, table=None):
+        return lambda r, c: key_distortion(half, r, c, bits, group, meta, center, table)
 
-    def vmetric(half, bits=q.bits):
-        return lambda r, c: value_distortion(half, r, c, bits, group, meta)
+    def vmetric(half, bits=q.bits, table=None):
+        return lambda r, c: value_distortion(half, r, c, bits, group, meta, None, table)
 
-    def held_out(kind, r, c, bits=q.bits):
-        metric = kmetric(held, bits) if kind == "k" else vmetric(held, bits)
+    def held_out(kind, r, c, bits=q.bits, table=None):
+        metric = kmetric(held, bits, table) if kind == "k" else vmetric(held, bits, table)
         return pooled(metric(r, c.view(1, -1)), held, kind).item()
 
+    def own_table(kind, bits):
+        return None if bits not in tables else tables[bits][0 if kind == "k" else 1].unsqueeze(0)
+
     one = torch.ones(h, dtype=torch.float64)
-    clips, curves = {}, {}
+    clips, curves, tables = {}, {}, {}
     for bits in dict.fromkeys((q.bits, *widths)):
-        if cfg.fit_clip:
+        if q.levels == "fitted" and bits == 2:
+            grid = cfg.clip_grid if cfg.fit_clip else (1.0,)
+            ck, tk, curve_k = fit_levels(fit_half, "k", r_k, grid, bits, group, meta, cfg.per_head, center)
+            cv, tv, curve_v = fit_levels(fit_half, "v", r_v, grid, bits, group, meta, cfg.per_head)
+            tables[bits] = (tk, tv)
+        elif cfg.fit_clip:
             ck, curve_k = fit_clip(kmetric(fit_half, bits), fit_half, "k", r_k, cfg.clip_grid, cfg.per_head)
             cv, curve_v = fit_clip(vmetric(fit_half, bits), fit_half, "v", r_v, cfg.clip_grid, cfg.per_head)
         else:
@@ -227,7 +277,8 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int, widths: tuple[int,
             "identity": held_out(kind, eye, one1),
             "hadamard": held_out(kind, had, one1),
             "hadamard_clip": held_out(kind, had, hk if kind == "k" else hv),
-            "artifact": held_out(kind, r_k if kind == "k" else r_v, clip_k if kind == "k" else clip_v),
+            "artifact": held_out(kind, r_k if kind == "k" else r_v, clip_k if kind == "k" else clip_v, q.bits,
+                                 own_table(kind, q.bits)),
         }
         for kind in ("k", "v")
     }
@@ -241,11 +292,12 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int, widths: tuple[int,
     })
     if len(clips) > 1:
         metrics["distortion_by_width"] = {
-            str(bits): {kind: held_out(kind, r_k if kind == "k" else r_v, clips[bits][0 if kind == "k" else 1], bits)
+            str(bits): {kind: held_out(kind, r_k if kind == "k" else r_v, clips[bits][0 if kind == "k" else 1], bits,
+                                       own_table(kind, bits))
                         for kind in ("k", "v")}
             for bits in clips
         }
-    return LayerFit(r_k, r_v, clip_k, clip_v, e_k, e_v, metrics, clips, data, center)
+    return LayerFit(r_k, r_v, clip_k, clip_v, e_k, e_v, metrics, clips, data, center, tables)
 
 
 def layer_multipliers(f: LayerFit, bits_k: int, bits_v: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,6 +326,10 @@ def stack_fits(layers: list[int], fits: list[LayerFit], scheme=None, group: int 
     }
     if scheme is not None and scheme.center_keys:
         out["center_k"] = torch.stack([f.center_k for f in fits]).float()
+    if scheme is not None and scheme.levels == "fitted":
+        # the INT2 units' 4 levels per KV head (an allocation's 4-bit units keep uniform levels)
+        for j, kind in enumerate(("k", "v")):
+            out[f"levels_{kind}"] = torch.stack([f.tables[2][j] for f in fits]).float()
     if scheme is not None and scheme.scale_dtype == "fp8":
         mults = [layer_multipliers(f, width(i, "k"), width(i, "v"), group) for i, f in zip(layers, fits, strict=True)]
         out["mult_k"] = torch.stack([m[0] for m in mults])

@@ -121,7 +121,9 @@ def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int
             mk, mv = layer_multipliers(f, w, w, group) if q.scale_dtype == "fp8" else (None, None)
             quants[layer][w] = LayerQuant(w, w, group, f.r_k.float(), f.r_v.float(), ck.float(), cv.float(),
                                           meta=q.scale_dtype, mult_k=mk, mult_v=mv,
-                                          center_k=None if f.center_k is None else f.center_k.float())
+                                          center_k=None if f.center_k is None else f.center_k.float(),
+                                          **({} if w != 2 or 2 not in f.tables else
+                                             {"levels_k": f.tables[2][0].float(), "levels_v": f.tables[2][1].float()}))
     return measure(loaded.model, segments, quants, q, progress=progress)
 
 

@@ -33,7 +33,8 @@ class LayerQuant:
     for no rotation; ``clip_k``/``clip_v``: fp32 ``[h]``; ``meta``: the scale/zero storage (``fp16`` | ``fp8``) with
     ``mult_k``/``mult_v`` fp32 ``[h]`` the fitted FP8 multipliers (None: taken from the rows each write);
     ``center_k``: fp32 ``[H, d]`` the key center subtracted before quantizing and added back after (the same as
-    centering every key row: softmax ignores the per-query shift), or None;
+    centering every key row: softmax ignores the per-query shift), or None; ``levels_k``/``levels_v``: fp32 ``[H, 4]``
+    fitted levels of that kind's 2-bit codes (None: uniform);
     ``token_block``: tokens quantized together (32 for per-channel keys, else 1) — the quantized region always
     grows by whole blocks. ``decode``: the decode kernel's options; the reference attention emulates their numerics
     (``int8_scores``: the INT2 rows' scores from each query rounded to int8 in the rotated basis,
@@ -55,6 +56,8 @@ class LayerQuant:
     mult_k: torch.Tensor | None = None
     mult_v: torch.Tensor | None = None
     center_k: torch.Tensor | None = None
+    levels_k: torch.Tensor | None = None
+    levels_v: torch.Tensor | None = None
 
     @property
     def token_block(self) -> int:
@@ -66,7 +69,8 @@ class LayerQuant:
     def to(self, device: torch.device | str) -> LayerQuant:
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return replace(self, r_k=mv(self.r_k), r_v=mv(self.r_v), clip_k=mv(self.clip_k), clip_v=mv(self.clip_v),
-                       mult_k=mv(self.mult_k), mult_v=mv(self.mult_v), center_k=mv(self.center_k))
+                       mult_k=mv(self.mult_k), mult_v=mv(self.mult_v), center_k=mv(self.center_k),
+                       levels_k=mv(self.levels_k), levels_v=mv(self.levels_v))
 
 
 def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_dim: int, kv_heads: int,
@@ -114,7 +118,9 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
             ck, cv = torch.full((h,), method.clip[0]), torch.full((h,), method.clip[1])
         out.append(LayerQuant(scheme.width(i, "k"), scheme.width(i, "v"), group, lr.r_k.float(), lr.r_v.float(), ck,
                               cv, decode=method.decode, meta=scheme.scale_dtype, mult_k=lr.mult_k, mult_v=lr.mult_v,
-                              center_k=lr.center_k if scheme.center_keys else None))
+                              center_k=lr.center_k if scheme.center_keys else None,
+                              levels_k=lr.levels_k if scheme.levels == "fitted" else None,
+                              levels_v=lr.levels_v if scheme.levels == "fitted" else None))
     return out
 
 
@@ -152,8 +158,10 @@ def quantize_rows(x: torch.Tensor, lq: LayerQuant, which: str) -> quantizer.Quan
         view = (-1, 1, 1, 1)
         return quantizer.quantize(xf, clip.to(xf.device).view(*view), bits, lq.key_group, lq.meta,
                                   None if mult is None else mult.view(*view))
+    levels = lq.levels_k if which == "k" else lq.levels_v
+    table = None if levels is None or bits != 2 else levels.view(levels.shape[0], 1, 1, -1)
     return quantizer.quantize(xf, clip.to(xf.device).view(-1, 1, 1), bits, lq.group, lq.meta,
-                              None if mult is None else mult.view(-1, 1, 1))
+                              None if mult is None else mult.view(-1, 1, 1), table)
 
 
 def dequantize_rows(q: quantizer.QuantizedRows, lq: LayerQuant, which: str) -> torch.Tensor:

@@ -22,6 +22,10 @@ FP8 metadata (``meta="fp8"``): scale and zero are stored as float8 e4m3 of ``sca
 power-of-two multiplier ``m`` (per KV head: fitted from calibration rows and held by the artifact, or taken from the
 rows themselves by :func:`meta_multiplier`), saturating at ±448; the scale never rounds below e4m3's smallest step.
 Codes are computed from the stored (rounded) values, as for fp16. ``bits + 16 / group`` bits per element.
+
+Fitted levels (``table``): code ``c`` stands for ``zero + scale * table[c]`` instead of ``zero + scale * c``, with
+``table`` (per KV head, ``2**bits`` sorted values in ``[0, 2**bits - 1]``) fitted by :func:`lloyd_max`; a code is the
+nearest level. The uniform table is ``0, 1, ..., 2**bits - 1``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 from oscar_kernels import SCALE_EPS, pack, unpack
 
 __all__ = ["FP8_MAX", "META_HEADROOM", "SCALE_EPS", "QuantizedRows", "bits_per_element", "clip_bounds", "dequantize",
-           "fake_quant", "meta_multiplier", "pack", "quantize", "unpack"]
+           "fake_quant", "lloyd_max", "meta_multiplier", "pack", "quantize", "unpack"]
 
 FP8_MAX = 448.0
 """Largest finite float8 e4m3 value."""
@@ -54,6 +58,7 @@ class QuantizedRows:
     bits: int
     group: int
     mult: torch.Tensor | None = None
+    table: torch.Tensor | None = None
 
     def scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 scale and zero as the stored values give them."""
@@ -96,11 +101,13 @@ def meta_multiplier(scale: torch.Tensor, zero: torch.Tensor, dims) -> torch.Tens
 
 
 def quantize(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, group: int | None = None,
-             meta: str = "fp16", mult: torch.Tensor | None = None) -> QuantizedRows:
+             meta: str = "fp16", mult: torch.Tensor | None = None, table: torch.Tensor | None = None) -> QuantizedRows:
     """Quantize rows. x: float ``[..., d]``. Returns packed :class:`QuantizedRows`.
 
     ``meta``: ``fp16`` or ``fp8`` scale/zero; with ``fp8``, ``mult`` is the multiplier (broadcastable to
-    ``[..., d / group]``, e.g. one per head), default one :func:`meta_multiplier` over all of ``x``'s rows."""
+    ``[..., d / group]``, e.g. one per head), default one :func:`meta_multiplier` over all of ``x``'s rows.
+    ``table``: fitted levels ``[..., 2**bits]`` (e.g. ``[H, 1, 1, 4]`` per head for rows ``[B, H, N, d]``: the shape
+    of ``scale`` with a level axis appended after its group axis is dropped), None for uniform."""
     group = group or x.shape[-1]
     _check(x, bits, group)
     levels = (1 << bits) - 1
@@ -119,23 +126,54 @@ def quantize(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, 
     rows = QuantizedRows(torch.empty(0, dtype=torch.uint8), scale, zero, bits, group, mult)
     s, z = rows.scale_zero()
     xg = x.float().unflatten(-1, (-1, group))
-    codes = torch.floor((xg - z.unsqueeze(-1)) / s.unsqueeze(-1) + 0.5)
-    codes = codes.clamp_(0, levels).to(torch.uint8).flatten(-2)
-    return QuantizedRows(pack(codes, bits, group), scale, zero, bits, group, mult)
+    u = (xg - z.unsqueeze(-1)) / s.unsqueeze(-1)
+    if table is None:
+        codes = torch.floor(u + 0.5).clamp_(0, levels)
+    else:
+        t = table.float().to(x.device)  # [..., L + 1] broadcastable to scale's [..., G] plus the level axis
+        mids = (t[..., 1:] + t[..., :-1]) * 0.5  # [..., L]
+        codes = (u.unsqueeze(-1) > mids.unsqueeze(-2)).sum(-1).float()  # mids aligned as [..., G, 1, L]
+    codes = codes.to(torch.uint8).flatten(-2)
+    return QuantizedRows(pack(codes, bits, group), scale, zero, bits, group, mult, table)
 
 
 def dequantize(q: QuantizedRows) -> torch.Tensor:
     """Packed rows -> fp32 ``[..., d]``."""
     codes = unpack(q.codes, q.bits, q.group).float().unflatten(-1, (-1, q.group))
+    if q.table is not None:
+        t = q.table.float().to(codes.device).unsqueeze(-2)  # levels aligned as [..., G, 1, L + 1]
+        t = t.expand(*codes.shape, t.shape[-1])
+        codes = torch.gather(t, -1, codes.long().unsqueeze(-1)).squeeze(-1)
     s, z = q.scale_zero()
     out = codes * s.unsqueeze(-1) + z.unsqueeze(-1)
     return out.flatten(-2)
 
 
 def fake_quant(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, group: int | None = None,
-               meta: str = "fp16", mult: torch.Tensor | None = None) -> torch.Tensor:
+               meta: str = "fp16", mult: torch.Tensor | None = None, table: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """Quantize-dequantize round trip, returned in ``x.dtype`` (same shape)."""
-    return dequantize(quantize(x, ratio, bits, group, meta, mult)).to(x.dtype)
+    return dequantize(quantize(x, ratio, bits, group, meta, mult, table)).to(x.dtype)
+
+
+def lloyd_max(u: torch.Tensor, w: torch.Tensor | None, bits: int, iters: int = 30) -> torch.Tensor:
+    """Weighted Lloyd-Max levels for values ``u [n]`` in ``[0, L]`` (``L = 2**bits - 1``; weights ``w [n]``, None:
+    equal): ``2**bits`` sorted levels in ``[0, L]`` minimizing ``Σ w (u - level(u))²``, from the uniform table."""
+    L = (1 << bits) - 1
+    u = u.double().flatten()
+    w = torch.ones_like(u) if w is None else w.double().flatten().expand_as(u)
+    t = torch.arange(L + 1, dtype=torch.float64)
+    for _ in range(iters):
+        mids = (t[1:] + t[:-1]) * 0.5
+        c = torch.bucketize(u, mids)
+        num = torch.zeros(L + 1, dtype=torch.float64).index_add_(0, c, w * u)
+        den = torch.zeros(L + 1, dtype=torch.float64).index_add_(0, c, w)
+        new = torch.where(den > 0, num / den.clamp_min(1e-300), t)
+        new = new.clamp(0, L).sort().values
+        if torch.allclose(new, t, atol=1e-9):
+            break
+        t = new
+    return t
 
 
 def bits_per_element(bits: int, group: int, meta_bits: int = 32) -> float:

@@ -7,6 +7,7 @@ import sys
 import types
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from oscar_cli.cli import app
@@ -53,6 +54,16 @@ def test_gemma_shaped_model_through_collect_fit_inspect_and_eval(tmp_path, tiny_
                "--artifact", art.path, "--seq-lengths", "64", "--limit", "2", "--data", data, "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)[0]["config"]["scheme"]["center_keys"] is True
+    # fitted levels (a 4-level codebook per layer, K/V and KV head, fitted with the clip)
+    r = invoke("fit", "--store", store, "--artifacts", arts, "--sink", "2", "--recent", "4", "--levels", "fitted")
+    assert r.exit_code == 0, r.output
+    art = load_artifact(next(arts.glob("*/v3")))
+    lv = art.tensors["levels_k"]
+    assert art.scheme.levels == "fitted" and lv.shape == (4, 1, 4) and torch.all(lv.diff(dim=-1) >= 0)
+    assert not torch.allclose(lv, torch.arange(4.0).expand_as(lv))  # fitted, not the uniform grid
+    r = invoke("eval", "--model", tiny_gemma_dir, "--store", store, "--tasks", "oscar_ppl", "--methods", "oscar",
+               "--artifact", art.path, "--seq-lengths", "64", "--limit", "2", "--data", data, "--json")
+    assert r.exit_code == 0, r.output
 
 
 def test_the_embedded_gemma_names_its_packages_and_cleans_up_a_failed_assembly(tmp_path, monkeypatch):

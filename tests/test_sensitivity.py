@@ -144,3 +144,26 @@ def test_a_centered_scheme_records_its_centers_and_is_refused_by_the_kernels():
     assert "centers them" in s.kernel_support(64)
     with pytest.raises(SchemeError, match="center_keys must be true or false"):
         QuantScheme(center_keys="yes")
+
+
+def test_lloyd_max_recovers_a_planted_codebook_and_fitted_levels_round_trip():
+    g = torch.Generator().manual_seed(3)
+    centers = torch.tensor([0.3, 1.2, 1.6, 2.8], dtype=torch.float64)
+    u = torch.cat([c + 0.04 * torch.randn(4000, generator=g, dtype=torch.float64) for c in centers]).clamp(0, 3)
+    torch.testing.assert_close(quantizer.lloyd_max(u, None, 2), centers, atol=5e-3, rtol=0)
+    # weights move a level toward the heavier points
+    w = torch.where(u > 2.4, 10.0, 1.0)
+    assert quantizer.lloyd_max(u, w, 2)[3] > quantizer.lloyd_max(u, None, 2)[3] - 1e-9
+    # uniform levels as a table are the uniform quantizer; fitted ones beat it on the rows they were fitted to
+    x = torch.randn(1, 2, 50, 64) ** 3  # heavy-tailed rows
+    uni = torch.arange(4.0).expand(2, 1, 1, 4)
+    assert torch.equal(quantizer.fake_quant(x, 1.0, 2, 64, table=uni), quantizer.fake_quant(x, 1.0, 2, 64))
+    lo, hi = quantizer.clip_bounds(x, 1.0, 64)
+    un = ((x - lo) / ((hi - lo) / 3)).clamp(0, 3)  # one group per row: lo, hi [1, 2, 50, 1]
+    fitted = torch.stack([quantizer.lloyd_max(un[0, h], None, 2) for h in range(2)]).float().view(2, 1, 1, 4)
+    e_fit = (quantizer.fake_quant(x, 1.0, 2, 64, table=fitted) - x).pow(2).mean()
+    e_uni = (quantizer.fake_quant(x, 1.0, 2, 64) - x).pow(2).mean()
+    assert e_fit < 0.8 * e_uni
+    with pytest.raises(SchemeError, match="fitted levels are 2-bit"):
+        QuantScheme(bits=4, levels="fitted")
+    assert "uniform levels" in QuantScheme(levels="fitted").kernel_support(64)

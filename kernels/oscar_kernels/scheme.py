@@ -14,7 +14,9 @@ default is written.
 * ``scale_dtype``: storage type of the per-group scale and zero point: ``fp16``, or ``fp8`` (e4m3 of the value
   divided by a power-of-two multiplier fitted per layer, K/V and KV head, which the artifact holds: 16 bits of
   metadata per group instead of 32).
-* ``levels``: how codes map to values (``uniform``: ``code * scale + zero``, codes ``0 .. 2**bits - 1``).
+* ``levels``: how codes map to values (``uniform``: ``code * scale + zero``, codes ``0 .. 2**bits - 1``;
+  ``fitted``: ``levels[code] * scale + zero`` with 4 levels per layer, K/V and KV head fitted with the clip, the
+  artifact's ``levels_k``/``levels_v``; INT2 only, and an allocation's 4-bit units stay uniform).
 * ``center_keys``: keys are stored minus a fitted center per layer and KV head (the artifact's ``center_k``), every
   row the softmax sees alike: scores shift by ``q·μ`` per query, which the softmax ignores.
 
@@ -32,7 +34,7 @@ SCALE_DTYPES = ("fp16", "fp8")
 META_BITS = {"fp16": 32, "fp8": 16}
 """Storage bits of one group's scale and zero point together, per ``scale_dtype``."""
 WIDTHS = (2, 4)
-LEVELS = ("uniform",)
+LEVELS = ("uniform", "fitted")
 KERNEL_BITS = 2
 """Code width the Triton kernels implement."""
 CUDA_MIN_HEAD_DIM = 64
@@ -90,6 +92,8 @@ class QuantScheme:
             raise SchemeError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {self.scale_dtype!r}")
         if self.levels not in LEVELS:
             raise SchemeError(f"levels must be one of {', '.join(LEVELS)}, got {self.levels!r}")
+        if self.levels == "fitted" and self.bits != 2:
+            raise SchemeError(f"fitted levels are 2-bit codebooks; the scheme has bits {self.bits}")
 
     @property
     def mixed(self) -> bool:
@@ -156,6 +160,8 @@ class QuantScheme:
             return f"the kernels read fp16 scales and zeros, the scheme stores {self.scale_dtype}"
         if self.center_keys:
             return "the kernels store keys uncentered, the scheme centers them (center_keys)"
+        if self.levels != "uniform":
+            return f"the kernels read uniform levels, the scheme has {self.levels} levels"
         g = self.group_for(head_dim)
         for name, v in (("head dim", head_dim), ("group", g)):
             if v < 16 or v & (v - 1):
@@ -193,7 +199,7 @@ class QuantScheme:
         if self.mixed:
             width = f"mix2-4k{sum(w == 4 for w in self.bits_k)}v{sum(w == 4 for w in self.bits_v)}"
         meta = "" if self.scale_dtype == "fp16" else f".{self.scale_dtype}"
-        center = ".ck" if self.center_keys else ""
+        center = (".ck" if self.center_keys else "") + ("" if self.levels == "uniform" else f".{self.levels}")
         return f"{width}.g{g}{meta}{center}.s{self.sink}.r{self.recent}"
 
 

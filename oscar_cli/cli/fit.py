@@ -28,6 +28,8 @@ def fit(
     recent: Annotated[int | None, typer.Option(help="Most recent tokens kept in BF16 (recorded in the scheme).")] = None,
     scale_dtype: Annotated[str | None, typer.Option(help="Scale/zero storage: fp16 (32 bits per group) or fp8 (16 "
                                                      "bits, e4m3 with a fitted multiplier per layer and KV head).")] = None,
+    levels: Annotated[str | None, typer.Option(help="Code levels: uniform, or fitted (4 levels per layer, K/V and KV "
+                                                "head, fitted jointly with the clip; INT2).")] = None,
     center_keys: Annotated[bool | None, typer.Option("--center-keys/--no-center-keys", help="Store keys minus a "
                                                      "fitted center per layer and KV head (exact: softmax ignores "
                                                      "the shift).")] = None,
@@ -60,7 +62,8 @@ def fit(
     base = rec.fit if rec else FitConfig()
     scheme = dataclasses.replace(base.scheme, **{k: v for k, v in dict(bits=bits, group=group, sink=sink, recent=recent,
                                                                        scale_dtype=scale_dtype,
-                                                                       center_keys=center_keys).items()
+                                                                       center_keys=center_keys,
+                                                                       levels=levels).items()
                                                  if v is not None})
     overrides = {k: v for k, v in dict(layers=layers, method=method, per_head=per_head, fit_clip=fit_clip,
                                        bits_per_element=bits_per_element, sensitivity_tokens=sensitivity_tokens,
