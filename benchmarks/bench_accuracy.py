@@ -6,8 +6,8 @@ Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model s
        [--recipe recipes/smollm2-135m.yaml] [--commit SHA] [--results benchmarks/RESULTS.md]
 
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
-temporary artifact folder): uniform INT2 with fp16 scales (the scheme before allocations), uniform INT2 with fp8
-scales, and the budgeted allocation with fp8 scales at every ``--budgets`` value (registered in the store as any
+temporary artifact folder): uniform INT2 with fp16 scales (the scheme before allocations), the same with centered keys
+and with fitted levels (the ablations), uniform INT2 with fp8 scales, and the budgeted allocation with fp8 scales at every ``--budgets`` value (registered in the store as any
 fit is). It
 scores each, and BF16, INT2-Hadamard, KIVI-2 and INT4-Hadamard (data-free baselines), teacher-forced through the
 decode-equivalent attention on ``--segments`` segments of the built-in held-out text and of ``--data2`` (a text outside
@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     fp16 = dataclasses.replace(base_cfg, sensitivity_tokens=0, bits_per_element=None)
     fits["oscar, INT2, fp16 scales"] = run_fit(store, args.run, fp16, tmp, "")[0]
+    for label, change in (("centered keys", dict(center_keys=True)), ("fitted levels", dict(levels="fitted"))):
+        cfg = dataclasses.replace(fp16, scheme=dataclasses.replace(fp16.scheme, **change))
+        fits[f"oscar, INT2, fp16 scales, {label}"] = run_fit(store, args.run, cfg, tmp, "")[0]
     fp8_scheme = dataclasses.replace(base_cfg.scheme, scale_dtype="fp8")
     fp8 = dataclasses.replace(fp16, scheme=fp8_scheme)
     fits["oscar, INT2, fp8 scales"] = run_fit(store, args.run, fp8, tmp, "")[0]
