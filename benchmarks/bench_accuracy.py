@@ -12,8 +12,9 @@ fit is). It
 scores each, and BF16, INT2-Hadamard, KIVI-2 and INT4-Hadamard (data-free baselines), teacher-forced through the
 decode-equivalent attention on ``--segments`` segments of the built-in held-out text and of ``--data2`` (a text outside
 the repository), and the fp16-scale fit with only its keys or only its values quantized (where the gap lives). Bits
-per element are the quantized part's (codes and scale/zero, K and V averaged; sinks and recent rows are BF16 in every
-row alike). Prints one table and appends it to RESULTS.md with date, device, commit and command.
+per element are the quantized part's (codes and scale/zero, K and V averaged over the rows each layer holds: at the
+evaluated length and at 32k, where a sliding-window layer holds only its window; sinks and recent rows are BF16 in
+every row alike). Prints one table and appends it to RESULTS.md with date, device, commit and command.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from pathlib import Path
 import torch
 
 from oscar_cli.results_md import append_section, markdown_table
+
+LONG = 32768
+"""The long context at which bits per element are also reported (and the allocation's budget holds, ``oscar fit``'s
+default ``--context``): a sliding-window layer holds at most its window."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_cli.jobs import fit_model_spec, run_fit
     from oscar_cli.kvquant import EXACT, build_layer_quants
     from oscar_cli.methods import get_method, scheme_for
-    from oscar_cli.models import load_model
+    from oscar_cli.models import layer_tokens, load_model
     from oscar_cli.prepare import Prepared, head_dim_of, prepare
     from oscar_cli.store import Store
 
@@ -99,26 +104,28 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, ref = [], None
 
-    def add(label: str, bits: float | None, ppl: dict[str, float]) -> None:
+    at_eval, at_long = layer_tokens(model.config, args.seq_len), layer_tokens(model.config, LONG)
+
+    def add(label: str, scheme, layers, ppl: dict[str, float]) -> None:
         nonlocal ref
         ref = ref or ppl
         cells = [f"{ppl[n]:.3f} (x{ppl[n] / ref[n]:.3f})" for n in segs]
-        rows.append([label, "16" if bits is None else f"{bits:.3f}", *cells])
+        bits = ["16", "16"] if scheme is None else [f"{scheme.bits_per_element(d, layers, t):.3f}" for t in (at_eval, at_long)]
+        rows.append([label, *bits, *cells])
         print(rows[-1], flush=True)
 
     m = get_method("bf16")
-    add("bf16", None, score(prepare(model, m, scheme_for(m, d))))
+    add("bf16", None, None, score(prepare(model, m, scheme_for(m, d))))
     art0 = load_artifact(fits["oscar, INT2, fp16 scales"])
     sink_recent = {"sink": art0.scheme.sink, "recent": art0.scheme.recent}
     for name in ("int2-hadamard", "int2-kivi", "int4-hadamard"):
         m = get_method(name)
         s = scheme_for(m, d, overrides=sink_recent)
-        add(f"{name} (its own sink/recent)" if m.own_sink_recent else name, s.bits_per_element(d),
-            score(prepare(model, m, s)))
+        add(f"{name} (its own sink/recent)" if m.own_sink_recent else name, s, None, score(prepare(model, m, s)))
     oscar = get_method("oscar")
     for label, path in fits.items():
         art = load_artifact(path)
-        add(label, art.scheme.bits_per_element(d, art.layers), score(prepare(model, oscar, art.scheme, art)))
+        add(label, art.scheme, art.layers, score(prepare(model, oscar, art.scheme, art)))
     # where the gap lives: the fp16 fit with only one kind quantized
     quants = build_layer_quants(oscar, art0.scheme, model.config.num_hidden_layers, d,
                                 model.config.num_key_value_heads, art0)
@@ -126,10 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                       ("oscar fp16, values only (keys exact)", dict(bits_k=EXACT))):
         qs = [None if q is None else dataclasses.replace(q, **kw) for q in quants]
         attention.install(model, qs, art0.scheme)
-        add(label, art0.scheme.bits_per_element(d, art0.layers),
-            score(Prepared(oscar, art0.scheme, qs, art0.name)))
+        add(label, art0.scheme, art0.layers, score(Prepared(oscar, art0.scheme, qs, art0.name)))
 
-    headers = ["method", "bits/element (quantized part)", *(f"ppl {n}" for n in segs)]
+    headers = ["method", f"bits/element at {args.seq_len}", f"at {LONG}", *(f"ppl {n}" for n in segs)]
     table = markdown_table(headers, rows)
     print(table)
     alloc = {label: load_artifact(p).scheme for label, p in fits.items() if "allocated" in label}

@@ -96,7 +96,8 @@ class FitConfig:
     of the fitted layers) that :func:`oscar_cli.sensitivity.allocate` spends on 4-bit layers; None: the scheme's
     width everywhere. ``sensitivity_tokens``: calibration tokens the sensitivity pass scores through the model
     (:mod:`oscar_cli.sensitivity`; 0: none, allowed only without a budget above the base width); ``model``: the model
-    to load for it (default: the run's, from the store's converted models or the embedded ones)."""
+    to load for it (default: the run's, from the store's converted models or the embedded ones); ``context``: the
+    sequence length at which the budget is met in bytes (a sliding-window layer holds at most its window of it)."""
 
     method: str = "oscar"
     layers: str = "all"
@@ -108,11 +109,14 @@ class FitConfig:
     bits_per_element: float | None = None
     sensitivity_tokens: int = 0
     model: str | None = None
+    context: int = 32768
 
     def __post_init__(self) -> None:
         if self.bits_per_element is not None and not 1 < self.bits_per_element <= 16:
             raise ConfigError(f"bits_per_element must lie in (1, 16] bits per quantized element, got "
                               f"{self.bits_per_element}")
+        if self.context <= 0:
+            raise ConfigError(f"context must be a positive number of tokens, got {self.context}")
         if self.sensitivity_tokens < 0:
             raise ConfigError(f"sensitivity_tokens must be >= 0 (0: no sensitivity pass), got {self.sensitivity_tokens}")
         if self.method not in ROTATIONS:

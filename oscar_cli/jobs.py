@@ -98,7 +98,7 @@ def fit_model_spec(store: Store, run: Run, cfg: FitConfig) -> str:
 def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int], fits: list[LayerFit],
                         progress: Callable[[int, int], None] | None = None):
     """Load the run's model, score ``cfg.sensitivity_tokens`` calibration tokens with each fitted layer quantized
-    alone (:func:`oscar_cli.sensitivity.measure`)."""
+    alone (:func:`oscar_cli.sensitivity.measure`). Returns (sensitivity, rows each layer holds at ``cfg.context``)."""
     from . import data as data_mod
     from .fit import layer_multipliers
     from .kvquant import LayerQuant
@@ -124,7 +124,10 @@ def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int
                                           center_k=None if f.center_k is None else f.center_k.float(),
                                           **({} if w != 2 or 2 not in f.tables else
                                              {"levels_k": f.tables[2][0].float(), "levels_v": f.tables[2][1].float()}))
-    return measure(loaded.model, segments, quants, q, progress=progress)
+    from .models import layer_tokens
+
+    sens = measure(loaded.model, segments, quants, q, progress=progress)
+    return sens, layer_tokens(loaded.model.config, cfg.context)
 
 
 def run_fit(
@@ -159,12 +162,12 @@ def run_fit(
     if cfg.sensitivity_tokens > 0:
         from .sensitivity import allocate_scheme
 
-        sens = measure_sensitivity(store, run, cfg, layers, fits, sensitivity_progress)
+        sens, tokens = measure_sensitivity(store, run, cfg, layers, fits, sensitivity_progress)
         metrics["sensitivity"] = sens.to_dict()
         if widths:
-            scheme, _ = allocate_scheme(sens, scheme, shape.head_dim, shape.n_layers, cfg.bits_per_element)
-            metrics["allocation"] = {"budget": cfg.bits_per_element,
-                                     "bits_per_element": scheme.bits_per_element(shape.head_dim, layers),
+            scheme, _ = allocate_scheme(sens, scheme, shape.head_dim, shape.n_layers, cfg.bits_per_element, tokens)
+            metrics["allocation"] = {"budget": cfg.bits_per_element, "context": cfg.context, "layer_tokens": tokens,
+                                     "bits_per_element": scheme.bits_per_element(shape.head_dim, layers, tokens),
                                      "predicted_kl": sum(sens.predicted_kl(i, kind, scheme.width(i, kind))
                                                          for i in layers for kind in ("k", "v"))}
     manifest = art.Manifest(
@@ -236,7 +239,8 @@ def inspect_report(artifact: art.Artifact) -> dict:
         "summary": m.metrics["summary"],
         "sensitivity": {k: v for k, v in m.metrics.get("sensitivity", {}).items() if k != "layers"} or None,
         "allocation": m.metrics.get("allocation"),
-        "bits_per_element": m.scheme.bits_per_element(m.shape.head_dim, artifact.layers),
+        "bits_per_element": m.scheme.bits_per_element(m.shape.head_dim, artifact.layers,
+                                                       m.metrics.get("allocation", {}).get("layer_tokens")),
     }
 
 

@@ -197,9 +197,10 @@ def quantized_count(n: int, start: int, recent: int, block: int) -> int:
 
 def bits_per_element(method: Method, scheme: QuantScheme, seq_len: int, head_dim: int,
                      layers_quantized: int | None = None, n_layers: int = 1, exact_bits: int = 16,
-                     quantized_layers=None) -> float:
+                     quantized_layers=None, tokens=None) -> float:
     """Average storage bits of one K/V element for a sequence of ``seq_len`` tokens (no padding); with an
-    allocation, ``quantized_layers`` (model layer indices) selects the widths averaged.
+    allocation, ``quantized_layers`` (model layer indices) selects the widths averaged, weighted by ``tokens[layer]``
+    (the rows each layer holds; default equal).
 
     Quantized elements cost their code width (the scheme's allocation averaged over K, V and the layers) plus the
     scale and zero per group (:meth:`~oscar_kernels.scheme.QuantScheme.bits_per_element`), exact ones ``exact_bits``;
@@ -210,7 +211,7 @@ def bits_per_element(method: Method, scheme: QuantScheme, seq_len: int, head_dim
     start = min(scheme.sink, seq_len)
     block = KIVI_GROUP if method.key_axis == "channel" else 1
     nq = quantized_count(seq_len, start, scheme.recent, block)
-    q_bits = scheme.bits_per_element(head_dim, quantized_layers)
+    q_bits = scheme.bits_per_element(head_dim, quantized_layers, tokens)
     per_layer = (nq * q_bits + (seq_len - nq) * exact_bits) / seq_len
     lq = n_layers if layers_quantized is None else layers_quantized
     return (lq * per_layer + (n_layers - lq) * exact_bits) / n_layers

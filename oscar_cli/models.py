@@ -88,6 +88,15 @@ def attention_shape(config) -> AttentionShape:
     return AttentionShape(config.num_hidden_layers, n_heads, n_kv, head_dim)
 
 
+def layer_tokens(config, n: int) -> list[int]:
+    """K/V rows each layer holds for a sequence of ``n`` tokens: ``n``, or ``min(n, window)`` in a sliding-window
+    layer (``config.layer_types`` entry ``sliding_attention``, window ``config.sliding_window``)."""
+    layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    window = getattr(config, "sliding_window", None)
+    return [min(n, window) if t == "sliding_attention" and window else n for t in types[:layers]]
+
+
 def attention_modules(model) -> dict[int, torch.nn.Module]:
     """``layer_idx -> self-attention module`` of a transformers decoder (modules with ``layer_idx`` and ``k_proj``)."""
     return {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")}

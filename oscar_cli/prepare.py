@@ -16,7 +16,7 @@ from . import attention
 from .config import QuantScheme
 from .kvquant import bits_per_element, build_layer_quants
 from .methods import Method, hf_backend
-from .models import attention_shape
+from .models import attention_shape, layer_tokens
 
 __all__ = ["Prepared", "element_bits", "head_dim_of", "prepare"]
 
@@ -77,4 +77,5 @@ def element_bits(prep: Prepared, model, seq_len: int, exact_bits: int = 16) -> f
                             layers_quantized=prep.layers_quantized if m.family == "quant" else None,
                             n_layers=cfg.num_hidden_layers, exact_bits=exact_bits,
                             quantized_layers=None if prep.quants is None else
-                            [i for i, q in enumerate(prep.quants) if q is not None])
+                            [i for i, q in enumerate(prep.quants) if q is not None],
+                            tokens=layer_tokens(cfg, seq_len))

@@ -281,15 +281,17 @@ def allocate(losses: dict, weights: dict, costs: dict[int, float], budget: float
 
 
 def allocate_scheme(sens: Sensitivity, scheme: QuantScheme, head_dim: int, n_layers: int, budget: float,
-                    tokens_per_layer: int = 1) -> tuple[QuantScheme, dict]:
+                    tokens: list[int] | None = None) -> tuple[QuantScheme, dict]:
     """The scheme with ``bits_k``/``bits_v`` allocated under ``budget`` (bits per quantized element) from measured
-    sensitivity; layers not measured keep the base width. Returns (scheme, {unit: width})."""
+    sensitivity; layers not measured keep the base width. ``tokens[layer]``: the rows each layer holds at the
+    context the budget is for (a sliding-window layer holds at most its window; default: equal), so the budget is
+    met in bytes. Returns (scheme, {unit: width})."""
     group = scheme.group_for(head_dim)
     costs = {w: w + scheme.meta_bits / group for w in sens.widths}
     layers = sorted({i for i, _ in sens.kl})
     units = [(i, kind) for i in layers for kind in KINDS]
     losses = {u: {w: sens.predicted_kl(u[0], u[1], w) for w in sens.widths} for u in units}
-    choice = allocate(losses, {u: tokens_per_layer for u in units}, costs, budget)
+    choice = allocate(losses, {u: 1 if tokens is None else tokens[u[0]] for u in units}, costs, budget)
     bk = [scheme.bits] * n_layers
     bv = [scheme.bits] * n_layers
     for (i, kind), w in choice.items():

@@ -167,3 +167,27 @@ def test_lloyd_max_recovers_a_planted_codebook_and_fitted_levels_round_trip():
     with pytest.raises(SchemeError, match="fitted levels are 2-bit"):
         QuantScheme(bits=4, levels="fitted")
     assert "uniform levels" in QuantScheme(levels="fitted").kernel_support(64)
+
+
+def test_a_budget_is_met_in_bytes_at_its_context_where_sliding_layers_hold_only_their_window():
+    from types import SimpleNamespace
+
+    from oscar_cli.models import layer_tokens
+
+    cfg = SimpleNamespace(num_hidden_layers=4, sliding_window=512,
+                          layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    assert layer_tokens(cfg, 32768) == [512, 512, 512, 32768] and layer_tokens(cfg, 100) == [100] * 4
+    assert layer_tokens(SimpleNamespace(num_hidden_layers=2), 64) == [64, 64]  # no layer types: all global
+    kl = {(i, kind): 1.0 for i in range(4) for kind in "kv"}
+    kl[(3, "k")] = 0.5  # the global layer's keys gain less than any sliding unit...
+    attn = {(i, kind, w): torch.tensor([1.0 if w == 2 else 0.0]) for i in range(4) for kind in "kv" for w in (2, 4)}
+    sens = Sensitivity(2, (2, 4), kl, attn, {}, 64)
+    base = QuantScheme(group=64, scale_dtype="fp8")
+    tokens = layer_tokens(cfg, 32768)
+    # ...and costs 64x more bytes per upgrade: a budget of 2.5 at 32k upgrades all six sliding units, not it
+    s, _ = allocate_scheme(sens, base, 64, 4, 2.5, tokens)
+    assert s.bits_k == (4, 4, 4, 2) and s.bits_v == (4, 4, 4, 2)
+    assert s.bits_per_element(64, range(4), tokens) <= 2.5
+    # counted by layers alone (equal weights) the same budget buys just one unit
+    s_eq, _ = allocate_scheme(sens, base, 64, 4, 2.5)
+    assert sum(w == 4 for w in (*s_eq.bits_k, *s_eq.bits_v)) == 1

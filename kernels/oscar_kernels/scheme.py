@@ -135,16 +135,19 @@ class QuantScheme:
         """The same scheme with ``group`` made concrete for ``head_dim`` (what an artifact records)."""
         return dataclasses.replace(self, group=self.group_for(head_dim))
 
-    def bits_per_element(self, head_dim: int, layers=None) -> float:
+    def bits_per_element(self, head_dim: int, layers=None, tokens=None) -> float:
         """Storage bits of one quantised element: its code plus its share of the scale and zero, averaged over K and
-        V of ``layers`` (model layer indices; default every layer the allocation names) under the allocation."""
+        V of ``layers`` (model layer indices; default every layer the allocation names) under the allocation, each
+        layer weighted by ``tokens[layer]`` (the rows it holds: fewer in a sliding-window layer; default equal)."""
         meta = self.meta_bits / self.group_for(head_dim)
         if not self.bits_k:
             return self.bits + meta
         idx = range(len(self.bits_k)) if layers is None else list(layers)
-        if not idx:
+        w = {i: 1 if tokens is None else tokens[i] for i in idx}
+        total = sum(w.values())
+        if not idx or total <= 0:
             return self.bits + meta
-        return sum(self.bits_k[i] + self.bits_v[i] for i in idx) / (2 * len(idx)) + meta
+        return sum((self.bits_k[i] + self.bits_v[i]) * w[i] for i in idx) / (2 * total) + meta
 
     def kernel_support(self, head_dim: int, device_type: str | None = None) -> str | None:
         """Why the Triton kernels cannot run this scheme at ``head_dim`` (on ``device_type``, e.g. ``"cuda"``; None:

@@ -38,6 +38,8 @@ def fit(
              "values go to the layers where the measured sensitivity says they buy the most.")] = None,
     sensitivity_tokens: Annotated[int | None, typer.Option(
         help="Calibration tokens scored through the model with each layer's K or V quantized alone (0: none).")] = None,
+    context: Annotated[int | None, typer.Option(help="Sequence length at which the budget holds in bytes (a "
+                                                 "sliding-window layer holds at most its window). [32768]")] = None,
     model: Annotated[str | None, typer.Option(help="The run's model for the sensitivity pass (default: the store's "
                                                "copy or the embedded model of the run's name).")] = None,
     recipe: RecipeOpt = None,
@@ -67,7 +69,7 @@ def fit(
                                                  if v is not None})
     overrides = {k: v for k, v in dict(layers=layers, method=method, per_head=per_head, fit_clip=fit_clip,
                                        bits_per_element=bits_per_element, sensitivity_tokens=sensitivity_tokens,
-                                       model=model).items() if v is not None}
+                                       model=model, context=context).items() if v is not None}
     cfg = dataclasses.replace(base, scheme=scheme, **overrides)
     recipe_text = rec.source if rec else _recipe_yaml(cfg)
     st = Store(store, create=False)
@@ -85,7 +87,8 @@ def fit(
         sch = manifest.scheme
         k4 = [i for i in manifest.layers if sch.width(i, "k") == 4]
         v4 = [i for i in manifest.layers if sch.width(i, "v") == 4]
-        out.print(f"  allocation: {a['bits_per_element']:.3f} bits/element (budget {a['budget']:g}); 4-bit keys in "
+        out.print(f"  allocation: {a['bits_per_element']:.3f} bits/element at {a['context']} tokens (budget "
+                  f"{a['budget']:g}); 4-bit keys in "
                   f"layers {k4 or 'none'}, 4-bit values in {v4 or 'none'}")
     for kv, label in (("distortion_k", "keys"), ("distortion_v", "values")):
         m, wins = s[kv]["mean"], s[kv]["artifact_better_layers"]
