@@ -139,12 +139,14 @@ def run_fit(
     model_slug: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     sensitivity_progress: Callable[[int, int], None] | None = None,
+    measured=None,
 ) -> tuple[Path, art.Manifest]:
     """Fit every selected layer of a complete run and write a new artifact version. Returns (folder, manifest).
 
     With ``cfg.sensitivity_tokens``, the model scores calibration text with each layer quantized alone
     (``metrics["sensitivity"]``); with a budget above the uniform width, the scheme's ``bits_k``/``bits_v`` are
-    allocated from it and the clip ratios of each layer's widths are recorded."""
+    allocated from it and the clip ratios of each layer's widths are recorded. ``measured``: a (sensitivity, layer
+    rows) pair from an earlier fit of the same run and settings, reused instead of measuring again (sweeps)."""
     run, layers = check_fit(store, run_ref, cfg, model_slug)
     shape = AttentionShape(**run.shape)
     acc = StatsAccumulator(shape)
@@ -162,7 +164,7 @@ def run_fit(
     if cfg.sensitivity_tokens > 0:
         from .sensitivity import allocate_scheme
 
-        sens, tokens = measure_sensitivity(store, run, cfg, layers, fits, sensitivity_progress)
+        sens, tokens = measured or measure_sensitivity(store, run, cfg, layers, fits, sensitivity_progress)
         metrics["sensitivity"] = sens.to_dict()
         if widths:
             scheme, _ = allocate_scheme(sens, scheme, shape.head_dim, shape.n_layers, cfg.bits_per_element, tokens)

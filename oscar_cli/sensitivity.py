@@ -83,6 +83,22 @@ class Sensitivity:
         }
 
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Sensitivity:
+        """Inverse of :meth:`to_dict` (the artifact's ``metrics["sensitivity"]``)."""
+        widths = tuple(d["widths"])
+        kl, attn, logit = {}, {}, {}
+        for i, row in d["layers"].items():
+            i = int(i)
+            for kind in KINDS:
+                kl[(i, kind)] = row[f"kl_{kind}"]
+                for w in widths:
+                    attn[(i, kind, w)] = torch.tensor(row[f"attn_{kind}{w}"])
+            for w in widths:
+                logit[(i, w)] = torch.tensor(row[f"logit_err{w}"])
+        return cls(d["base"], widths, kl, attn, logit, d["tokens"])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Measurements
 

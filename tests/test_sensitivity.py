@@ -191,3 +191,13 @@ def test_a_budget_is_met_in_bytes_at_its_context_where_sliding_layers_hold_only_
     # counted by layers alone (equal weights) the same budget buys just one unit
     s_eq, _ = allocate_scheme(sens, base, 64, 4, 2.5)
     assert sum(w == 4 for w in (*s_eq.bits_k, *s_eq.bits_v)) == 1
+
+
+def test_sensitivity_round_trips_its_json_form():
+    attn = {(i, kind, w): torch.tensor([0.5, 0.25]) / w for i in (0, 3) for kind in "kv" for w in (2, 4)}
+    logit = {(i, w): torch.tensor([0.1, 0.2]) for i in (0, 3) for w in (2, 4)}
+    s = Sensitivity(2, (2, 4), {(i, kind): 0.1 * i + (kind == "v") for i in (0, 3) for kind in "kv"}, attn, logit, 256)
+    back = Sensitivity.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert back.kl == s.kl and back.widths == s.widths and back.tokens == 256
+    assert all(torch.equal(back.attn[k], v) for k, v in s.attn.items())
+    assert back.predicted_kl(3, "k", 4) == pytest.approx(s.predicted_kl(3, "k", 4))
