@@ -9,7 +9,7 @@ From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:
 temporary artifact folder): uniform INT2 with fp16 scales (the scheme before allocations), the same with centered keys
 and with fitted levels (the ablations), uniform INT2 with fp8 scales, and the budgeted allocation with fp8 scales at every ``--budgets`` value (one sensitivity pass, reused; registered
 in the store as any fit is). It
-scores each, and BF16, INT2-Hadamard, KIVI-2 and INT4-Hadamard (data-free baselines), teacher-forced through the
+scores each, and BF16, INT2-Hadamard (uniform and Gaussian levels), KIVI-2 and INT4-Hadamard (data-free baselines), teacher-forced through the
 decode-equivalent attention on ``--segments`` segments of the built-in held-out text and of ``--data2`` (a text outside
 the repository), and the fp16-scale fit with only its keys or only its values quantized (where the gap lives). Bits
 per element are the quantized part's (codes and scale/zero, K and V averaged over the rows each layer holds: at the
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     add("bf16", None, None, score(prepare(model, m, scheme_for(m, d))))
     art0 = load_artifact(fits["oscar, INT2, fp16 scales"])
     sink_recent = {"sink": art0.scheme.sink, "recent": art0.scheme.recent}
-    for name in ("int2-hadamard", "int2-kivi", "int4-hadamard"):
+    for name in ("int2-hadamard", "int2-hadamard-gauss", "int2-kivi", "int4-hadamard"):
         m = get_method(name)
         s = scheme_for(m, d, overrides=sink_recent)
         add(f"{name} (its own sink/recent)" if m.own_sink_recent else name, s, None, score(prepare(model, m, s)))

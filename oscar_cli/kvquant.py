@@ -94,9 +94,10 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
     if method.rotation is not None:
         r = data_free_rotation(method.rotation, head_dim, group)
         r = None if r is None else r.float()[None]
+        table = quantizer.gaussian_table(group).view(1, 4) if scheme.levels == "gaussian" else None
         return [LayerQuant(scheme.width(i, "k"), scheme.width(i, "v"), group, r, r, one * method.clip[0],
                            one * method.clip[1], method.key_axis, KIVI_GROUP if method.key_axis == "channel" else 0,
-                           method.decode, scheme.scale_dtype) for i in range(n_layers)]
+                           method.decode, scheme.scale_dtype, levels_k=table, levels_v=table) for i in range(n_layers)]
     if artifact is None:
         raise MethodError(f"{method.label} needs an artifact: pass --artifact latest|vN|PATH or {method.name}@REF")
     shape = artifact.manifest.shape

@@ -15,6 +15,8 @@ method runs with, and :mod:`oscar_cli.kvquant` turns method + scheme into per-la
 * ``int2-kivi``: KIVI — keys per channel over blocks of 32 tokens, values per token in groups of 32 channels,
   full-precision residual of 128 tokens and no sink (its own sink/recent: ``--sink/--recent`` do not apply to it).
 * ``int2-hadamard`` / ``int4-hadamard``: rotation ``hadamard`` (data-free random-sign ``S·H``), no clipping.
+* ``int2-hadamard-gauss``: TurboQuant-style data-free baseline: ``hadamard`` with the Gaussian Lloyd-Max levels
+  (:func:`oscar_cli.quantizer.gaussian_table`) instead of uniform ones.
 * ``int2-hadamard-clip`` / ``int4-hadamard-clip``: the same with fixed clip ratios, ``@K/V`` to override
   (default ``@0.96/0.92``).
 * ``oscar``: rotations, fitted clip ratios AND quant scheme of an artifact (``@REF`` picks one: ``latest``, ``v3``,
@@ -125,6 +127,7 @@ class Method:
     own_sink_recent: tuple[int, int] | None = None
     backend: str | None = None
     decode: DecodeOptions = DecodeOptions()
+    levels: str = "uniform"
     arg: str | None = None
     help: str = ""
 
@@ -161,6 +164,8 @@ METHODS: dict[str, Method] = {
                help="KIVI: per-channel keys, per-token values, group 32, residual 128 (its own sink/recent)"),
         Method("int2-hadamard", "quant", 2, rotation=_HADAMARD, help="random-sign Hadamard, no clip"),
         Method("int4-hadamard", "quant", 4, rotation=_HADAMARD, help="random-sign Hadamard, no clip"),
+        Method("int2-hadamard-gauss", "quant", 2, rotation=_HADAMARD, levels="gaussian",
+               help="TurboQuant-style: random-sign Hadamard, Gaussian Lloyd-Max levels (data-free), no clip"),
         Method("int2-hadamard-clip", "quant", 2, rotation=_HADAMARD, clip=DEFAULT_HADAMARD_CLIP,
                help="random-sign Hadamard, fixed clip @K/V (default 0.96/0.92)"),
         Method("int4-hadamard-clip", "quant", 4, rotation=_HADAMARD, clip=DEFAULT_HADAMARD_CLIP,
@@ -246,7 +251,8 @@ def scheme_for(method: Method, head_dim: int, *, artifact_scheme: QuantScheme | 
         why = f"artifact {name} was fitted at {base.bits} bits" if name else f"its artifact was fitted at {base.bits} bits"
         fix = f"refit with `oscar fit --bits {overrides.get('bits')}` or drop --bits"
     else:
-        base = QuantScheme(bits=method.bits, group=method.group, sink=reference.sink, recent=reference.recent)
+        base = QuantScheme(bits=method.bits, group=method.group, sink=reference.sink, recent=reference.recent,
+                           levels=method.levels)
         why, fix = f"{method.name} stores {method.bits}-bit codes by definition", "pick the method of that width"
     if "bits" in overrides and overrides["bits"] != base.bits:
         raise MethodError(f"{method.label} runs at {base.bits} bits ({why}); --bits {overrides['bits']} cannot hold: "

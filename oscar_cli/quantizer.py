@@ -36,7 +36,7 @@ import torch
 from oscar_kernels import SCALE_EPS, pack, unpack
 
 __all__ = ["FP8_MAX", "META_HEADROOM", "SCALE_EPS", "QuantizedRows", "bits_per_element", "clip_bounds", "dequantize",
-           "fake_quant", "lloyd_max", "meta_multiplier", "pack", "quantize", "unpack"]
+           "fake_quant", "gaussian_table", "lloyd_max", "meta_multiplier", "pack", "quantize", "unpack"]
 
 FP8_MAX = 448.0
 """Largest finite float8 e4m3 value."""
@@ -154,6 +154,20 @@ def fake_quant(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2
                ) -> torch.Tensor:
     """Quantize-dequantize round trip, returned in ``x.dtype`` (same shape)."""
     return dequantize(quantize(x, ratio, bits, group, meta, mult, table)).to(x.dtype)
+
+
+GAUSSIAN_LEVELS_2BIT = (-1.5104, -0.4528, 0.4528, 1.5104)
+"""Lloyd-Max levels of a standard normal at 2 bits (in standard deviations)."""
+
+
+def gaussian_table(group: int) -> torch.Tensor:
+    """The 2-bit Gaussian Lloyd-Max levels in the min/max frame of a group of ``group`` normal samples: the frame's
+    ends at the expected extremes (Blom's approximation), ``[0, 3]`` across; float32 ``[4]`` (data-free, as a
+    TurboQuant-style baseline stores them)."""
+    n = torch.tensor(float(group), dtype=torch.float64)
+    top = torch.special.ndtri((n - 0.375) / (n + 0.25))  # E[max of n N(0,1)]
+    levels = torch.tensor(GAUSSIAN_LEVELS_2BIT, dtype=torch.float64)
+    return (1.5 + 1.5 * levels / top).clamp(0, 3).float()
 
 
 def lloyd_max(u: torch.Tensor, w: torch.Tensor | None, bits: int, iters: int = 30) -> torch.Tensor:

@@ -201,3 +201,20 @@ def test_sensitivity_round_trips_its_json_form():
     assert back.kl == s.kl and back.widths == s.widths and back.tokens == 256
     assert all(torch.equal(back.attn[k], v) for k, v in s.attn.items())
     assert back.predicted_kl(3, "k", 4) == pytest.approx(s.predicted_kl(3, "k", 4))
+
+
+def test_the_gaussian_codebook_baseline_beats_uniform_levels_on_gaussian_rows():
+    from oscar_cli.kvquant import build_layer_quants
+    from oscar_cli.methods import get_method, scheme_for
+
+    t = quantizer.gaussian_table(64)
+    assert t.shape == (4,) and torch.all(t.diff() > 0) and 0 < t[0] < 1 and 2 < t[3] < 3
+    m = get_method("int2-hadamard-gauss")
+    s = scheme_for(m, 64)
+    assert s.levels == "gaussian" and "uniform levels" in s.kernel_support(64)
+    lq = build_layer_quants(m, s, 1, 64, 2)[0]
+    uni = build_layer_quants(get_method("int2-hadamard"), scheme_for(get_method("int2-hadamard"), 64), 1, 64, 2)[0]
+    x = torch.randn(1, 2, 400, 64, generator=torch.Generator().manual_seed(0))
+    e_g = (roundtrip(x, lq, "k") - x).pow(2).mean()
+    e_u = (roundtrip(x, uni, "k") - x).pow(2).mean()
+    assert e_g < 0.8 * e_u, (e_g, e_u)

@@ -16,7 +16,8 @@ default is written.
   metadata per group instead of 32).
 * ``levels``: how codes map to values (``uniform``: ``code * scale + zero``, codes ``0 .. 2**bits - 1``;
   ``fitted``: ``levels[code] * scale + zero`` with 4 levels per layer, K/V and KV head fitted with the clip, the
-  artifact's ``levels_k``/``levels_v``; INT2 only, and an allocation's 4-bit units stay uniform).
+  artifact's ``levels_k``/``levels_v``; ``gaussian``: the Lloyd-Max levels of a normal distribution placed in the
+  group's min/max frame, data-free; both INT2 only, and an allocation's 4-bit units stay uniform).
 * ``center_keys``: keys are stored minus a fitted center per layer and KV head (the artifact's ``center_k``), every
   row the softmax sees alike: scores shift by ``q·μ`` per query, which the softmax ignores.
 
@@ -34,7 +35,7 @@ SCALE_DTYPES = ("fp16", "fp8")
 META_BITS = {"fp16": 32, "fp8": 16}
 """Storage bits of one group's scale and zero point together, per ``scale_dtype``."""
 WIDTHS = (2, 4)
-LEVELS = ("uniform", "fitted")
+LEVELS = ("uniform", "fitted", "gaussian")
 KERNEL_BITS = 2
 """Code width the Triton kernels implement."""
 CUDA_MIN_HEAD_DIM = 64
@@ -92,8 +93,8 @@ class QuantScheme:
             raise SchemeError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {self.scale_dtype!r}")
         if self.levels not in LEVELS:
             raise SchemeError(f"levels must be one of {', '.join(LEVELS)}, got {self.levels!r}")
-        if self.levels == "fitted" and self.bits != 2:
-            raise SchemeError(f"fitted levels are 2-bit codebooks; the scheme has bits {self.bits}")
+        if self.levels != "uniform" and self.bits != 2:
+            raise SchemeError(f"{self.levels} levels are 2-bit codebooks; the scheme has bits {self.bits}")
 
     @property
     def mixed(self) -> bool:
