@@ -2,19 +2,20 @@
 texts the calibration never saw, at equal bits.
 
 Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model smollm2-135m] [--data2 FILE]
-       [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024] [--group G] [--layers SPEC]
+       [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024] [--group G]
+       [--layers SPEC]
        [--recipe recipes/smollm2-135m.yaml] [--commit SHA] [--results benchmarks/RESULTS.md]
 
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
 temporary artifact folder): uniform INT2 with fp16 scales (the scheme before allocations), the same with centered keys
-and with fitted levels (the ablations), uniform INT2 with fp8 scales, and the budgeted allocation with fp8 scales at every ``--budgets`` value (one sensitivity pass, reused; registered
-in the store as any fit is). It
-scores each, and BF16, INT2-Hadamard (uniform and Gaussian levels), KIVI-2 and INT4-Hadamard (data-free baselines), teacher-forced through the
-decode-equivalent attention on ``--segments`` segments of the built-in held-out text and of ``--data2`` (a text outside
-the repository), and the fp16-scale fit with only its keys or only its values quantized (where the gap lives). Bits
-per element are the quantized part's (codes and scale/zero, K and V averaged over the rows each layer holds: at the
-evaluated length and at 32k, where a sliding-window layer holds only its window; sinks and recent rows are BF16 in
-every row alike). Prints one table and appends it to RESULTS.md with date, device, commit and command.
+and with fitted levels (the ablations), uniform INT2 with fp8 scales, and the budgeted allocation with fp8 scales at
+every ``--budgets`` value (one sensitivity pass, reused; registered in the store as any fit is). It scores each, and
+BF16, INT2-Hadamard (uniform and Gaussian levels), KIVI-2 and INT4-Hadamard (data-free baselines), teacher-forced
+through the decode-equivalent attention on ``--segments`` segments of the built-in held-out text and of ``--data2`` (a
+text outside the repository), and the fp16-scale fit with only its keys or only its values quantized (where the gap
+lives). Bits per element are the quantized part's (codes and scale/zero, K and V averaged over the rows each layer
+holds: at the evaluated length and at 32k, where a sliding-window layer holds only its window; sinks and recent rows
+are BF16 in every row alike). Prints one table and appends it to RESULTS.md with date, device, commit and command.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(fp8, bits_per_element=b, sensitivity_tokens=args.sensitivity_tokens)
         path, manifest = run_fit(store, args.run, cfg, tmp, "", measured=measured)
         fits[f"oscar, allocated @{b:g}, fp8 scales"] = path
-        measured = (Sensitivity.from_dict(manifest.metrics["sensitivity"]), manifest.metrics["allocation"]["layer_tokens"])
+        measured = (Sensitivity.from_dict(manifest.metrics["sensitivity"]),
+                    manifest.metrics["allocation"]["layer_tokens"])
     fit_s = time.time() - t0
 
     def score(prep) -> dict[str, float]:
@@ -114,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal ref
         ref = ref or ppl
         cells = [f"{ppl[n]:.3f} (x{ppl[n] / ref[n]:.3f})" for n in segs]
-        bits = ["16", "16"] if scheme is None else [f"{scheme.bits_per_element(d, layers, t):.3f}" for t in (at_eval, at_long)]
+        bits = (["16", "16"] if scheme is None
+                else [f"{scheme.bits_per_element(d, layers, t):.3f}" for t in (at_eval, at_long)])
         rows.append([label, *bits, *cells])
         print(rows[-1], flush=True)
 
@@ -146,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     extra = "\n".join(f"- {label}: 4-bit keys in layers "
                       f"{[i for i, w in enumerate(s.bits_k) if w == 4]}, 4-bit values in "
                       f"{[i for i, w in enumerate(s.bits_v) if w == 4]}" for label, s in alloc.items())
-    device = "CPU (" + ("fp32, " if next(model.parameters()).dtype == torch.float32 else "") + f"{torch.get_num_threads()} threads)"
+    fp32 = "fp32, " if next(model.parameters()).dtype == torch.float32 else ""
+    device = f"CPU ({fp32}{torch.get_num_threads()} threads)"
     append_section(
         args.results, f"Accuracy at equal bits ({run.model_slug})", device, args.commit or "unknown",
         f"Run {run.run_id} ({run.tokens} calibration tokens), recipe {args.recipe}; {args.segments} segments of "
-        f"{args.seq_len} tokens per text, group {art0.scheme.group}, layers {base_cfg.layers}, teacher-forced through the decode-equivalent attention; sink "
+        f"{args.seq_len} tokens per text, group {art0.scheme.group}, layers {base_cfg.layers}, teacher-forced "
+        f"through the decode-equivalent attention; sink "
         f"{art0.scheme.sink}, recent {art0.scheme.recent}; fits and the sensitivity pass "
         f"({args.sensitivity_tokens} calibration tokens) took {fit_s:.0f} s.",
         table, command=sys.argv if argv is None else ["benchmarks/bench_accuracy.py", *argv], extra=extra + "\n")

@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ppl_all = []
     factors = [float(f) for f in args.factors.split(",") if f]
     for f in factors:
-        quants = [None if q is None else dataclasses.replace(q, **{clip_name: (getattr(q, clip_name) * f).clamp(max=1.0)})
-                  for q in base]
+        quants = [None if q is None else
+                  dataclasses.replace(q, **{clip_name: (getattr(q, clip_name) * f).clamp(max=1.0)}) for q in base]
         local = 0.0
         for i in art.layers:
             q = quants[i]
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     corr = markdown_table(["criterion", "Spearman vs held-out ppl"], [[k, f"{v:+.3f}"] for k, v in rho.items()])
     print(table)
     print(corr)
-    device = f"CPU ({torch.get_num_threads()} threads)" if not torch.cuda.is_available() else torch.cuda.get_device_name()
+    device = (f"CPU ({torch.get_num_threads()} threads)" if not torch.cuda.is_available()
+              else torch.cuda.get_device_name())
     append_section(
         args.results, f"Clip criteria against held-out perplexity ({run.model_slug})", device,
         args.commit or "unknown",

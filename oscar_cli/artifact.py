@@ -5,9 +5,10 @@ An artifact is a folder ``<root>/<model-slug>/v<N>/`` holding
 * ``rotations.safetensors`` (fp32): ``layers`` int64 ``[n]``; ``r_k``, ``r_v`` ``[n, h, d, d]`` with ``h = 1`` for a
   rotation shared by all KV heads or ``h = kv_heads`` (``--per-head``); ``clip_k``, ``clip_v`` ``[n, h]`` clip ratios;
   ``eig_k``, ``eig_v`` ``[n, h, d]`` descending eigenvalues of the targets the rotations came from (zeros for
-  data-free methods); with fp8 scales (``scheme.scale_dtype``), ``mult_k``, ``mult_v`` ``[n, kv_heads]`` the power-of-two
-  multipliers the scales and zeros are stored in units of; with ``scheme.center_keys``, ``center_k`` ``[n, kv_heads, d]``
-  the key centers (model basis); with ``scheme.levels == "fitted"``, ``levels_k``, ``levels_v`` ``[n, kv_heads, 4]``;
+  data-free methods); with fp8 scales (``scheme.scale_dtype``), ``mult_k``, ``mult_v`` ``[n, kv_heads]`` the
+  power-of-two multipliers the scales and zeros are stored in units of; with ``scheme.center_keys``, ``center_k``
+  ``[n, kv_heads, d]`` the key centers (model basis); with ``scheme.levels == "fitted"``, ``levels_k``, ``levels_v``
+  ``[n, kv_heads, 4]``;
 * ``manifest.json`` (:class:`Manifest`, schema version 2): model fingerprint, run id, stats and data digests, fit
   method, the quant scheme (:class:`oscar_kernels.scheme.QuantScheme`), code version (package version + git commit),
   created, fit-time metrics and ``content_hash`` (sha256 of ``rotations.safetensors``);
@@ -176,8 +177,9 @@ class Artifact:
             return None
         i = layers.index(idx)
         t = self.tensors
-        mult = {k: t[k][i].float() if k in t else None for k in ("mult_k", "mult_v", "center_k", "levels_k", "levels_v")}
-        return LayerRotation(t["r_k"][i], t["r_v"][i], t["clip_k"][i], t["clip_v"][i], **mult)
+        extra = {k: t[k][i].float() if k in t else None
+                 for k in ("mult_k", "mult_v", "center_k", "levels_k", "levels_v")}
+        return LayerRotation(t["r_k"][i], t["r_v"][i], t["clip_k"][i], t["clip_v"][i], **extra)
 
 
 def sha256_file(path: Path) -> str:

@@ -118,7 +118,8 @@ class FitConfig:
         if self.context <= 0:
             raise ConfigError(f"context must be a positive number of tokens, got {self.context}")
         if self.sensitivity_tokens < 0:
-            raise ConfigError(f"sensitivity_tokens must be >= 0 (0: no sensitivity pass), got {self.sensitivity_tokens}")
+            raise ConfigError(f"sensitivity_tokens must be >= 0 (0: no sensitivity pass), got "
+                              f"{self.sensitivity_tokens}")
         if self.method not in ROTATIONS:
             raise ConfigError(f"unknown rotation {self.method!r} for fit --method; choose one of {', '.join(ROTATIONS)}")
         if not self.clip_grid or any(not 0 < c <= 1 for c in self.clip_grid):
