@@ -94,3 +94,17 @@ def test_bad_values():
         EvalConfig(scheme_overrides=(("levels", 1),))
     with pytest.raises(ConfigError, match="--seq-lengths"):
         EvalConfig(seq_lengths=(1,))
+
+
+def test_every_shipped_recipe_loads():
+    from pathlib import Path
+
+    from oscar_cli.config import load_recipe
+
+    recipes = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+    assert len(recipes) >= 4
+    for path in recipes:
+        rec = load_recipe(path)
+        assert rec.model and rec.fit.scheme.bits == 2, path
+    gemma = load_recipe(Path(__file__).parent.parent / "recipes" / "gemma3-270m.yaml")
+    assert gemma.fit.bits_per_element == 2.5 and gemma.fit.scheme.scale_dtype == "fp8" and gemma.fit.sensitivity_tokens
