@@ -8,8 +8,8 @@ Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model s
 
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
 temporary artifact folder): uniform INT2 with fp16 scales (the scheme before allocations), the same with centered keys
-and with fitted levels (the ablations), uniform INT2 with fp8 scales, and the budgeted allocation with fp8 scales at
-every ``--budgets`` value (one sensitivity pass, reused; registered in the store as any fit is). It scores each, and
+and with fitted levels (the ablations) and with clips scaled by the final-logit KL, uniform INT2 with fp8 scales, and
+the budgeted allocation with fp8 scales and logit-KL clips at every ``--budgets`` value (one sensitivity pass, reused; registered in the store as any fit is). It scores each, and
 BF16, INT2-Hadamard (uniform and Gaussian levels), KIVI-2 and INT4-Hadamard (data-free baselines), teacher-forced
 through the decode-equivalent attention on ``--segments`` segments of the built-in held-out text and of ``--data2`` (a
 text outside the repository), and the fp16-scale fit with only its keys or only its values quantized (where the gap
@@ -93,16 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     for label, change in (("centered keys", dict(center_keys=True)), ("fitted levels", dict(levels="fitted"))):
         cfg = dataclasses.replace(fp16, scheme=dataclasses.replace(fp16.scheme, **change))
         fits[f"oscar, INT2, fp16 scales, {label}"] = run_fit(store, args.run, cfg, tmp, "")[0]
+    kl_clips = dict(clip_criterion="logit-kl", sensitivity_tokens=args.sensitivity_tokens)
+    fits["oscar, INT2, fp16 scales, clips by logit-KL"] = run_fit(
+        store, args.run, dataclasses.replace(fp16, **kl_clips), tmp, "")[0]
     fp8_scheme = dataclasses.replace(base_cfg.scheme, scale_dtype="fp8")
     fp8 = dataclasses.replace(fp16, scheme=fp8_scheme)
     fits["oscar, INT2, fp8 scales"] = run_fit(store, args.run, fp8, tmp, "")[0]
     measured = None  # one sensitivity pass, reused by every budget
     for b in budgets:
-        cfg = dataclasses.replace(fp8, bits_per_element=b, sensitivity_tokens=args.sensitivity_tokens)
+        cfg = dataclasses.replace(fp8, bits_per_element=b, **kl_clips)
         path, manifest = run_fit(store, args.run, cfg, tmp, "", measured=measured)
-        fits[f"oscar, allocated @{b:g}, fp8 scales"] = path
+        fits[f"oscar, allocated @{b:g}, fp8 scales, clips by logit-KL"] = path
         measured = (Sensitivity.from_dict(manifest.metrics["sensitivity"]),
-                    manifest.metrics["allocation"]["layer_tokens"])
+                    manifest.metrics["allocation"]["layer_tokens"], manifest.metrics.get("clip_scale"))
     fit_s = time.time() - t0
 
     def score(prep) -> dict[str, float]:

@@ -97,7 +97,10 @@ class FitConfig:
     width everywhere. ``sensitivity_tokens``: calibration tokens the sensitivity pass scores through the model
     (:mod:`oscar_cli.sensitivity`; 0: none, allowed only without a budget above the base width); ``model``: the model
     to load for it (default: the run's, from the store's converted models or the embedded ones); ``context``: the
-    sequence length at which the budget is met in bytes (a sliding-window layer holds at most its window of it)."""
+    sequence length at which the budget is met in bytes (a sliding-window layer holds at most its window of it).
+    ``clip_criterion``: ``layer-local`` (the clips each layer's metric picks) or ``logit-kl`` (those clips scaled by
+    the factor of ``clip_scale_grid`` with the least final-logit KL on calibration text; needs the sensitivity
+    pass)."""
 
     method: str = "oscar"
     layers: str = "all"
@@ -110,11 +113,20 @@ class FitConfig:
     sensitivity_tokens: int = 0
     model: str | None = None
     context: int = 32768
+    clip_criterion: str = "layer-local"
+    clip_scale_grid: tuple[float, ...] = (0.9, 1.0, 1.1, 1.2, 1.35, 1.5, 2.0)
 
     def __post_init__(self) -> None:
         if self.bits_per_element is not None and not 1 < self.bits_per_element <= 16:
             raise ConfigError(f"bits_per_element must lie in (1, 16] bits per quantized element, got "
                               f"{self.bits_per_element}")
+        if self.clip_criterion not in ("layer-local", "logit-kl"):
+            raise ConfigError(f"clip_criterion must be layer-local or logit-kl, got {self.clip_criterion!r}")
+        if self.clip_criterion == "logit-kl" and self.sensitivity_tokens <= 0:
+            raise ConfigError("clip_criterion logit-kl scores clips on calibration text through the model: give "
+                              "sensitivity_tokens (e.g. 1024)")
+        if not self.clip_scale_grid or any(c <= 0 for c in self.clip_scale_grid):
+            raise ConfigError("clip_scale_grid values must be positive")
         if self.context <= 0:
             raise ConfigError(f"context must be a positive number of tokens, got {self.context}")
         if self.sensitivity_tokens < 0:
@@ -353,8 +365,9 @@ def _build(cls, section: dict[str, Any], where: str):
         if cls is FitConfig:
             if "scheme" in kwargs:
                 kwargs["scheme"] = QuantScheme.from_dict(kwargs["scheme"] or {}, f"{where}.scheme")
-            if "clip_grid" in kwargs:
-                kwargs["clip_grid"] = tuple(float(c) for c in kwargs["clip_grid"])
+            for name in ("clip_grid", "clip_scale_grid"):
+                if name in kwargs:
+                    kwargs[name] = tuple(float(c) for c in kwargs[name])
         return cls(**kwargs)
     except SchemeError as e:
         raise ConfigError(f"{where}: {e}") from None

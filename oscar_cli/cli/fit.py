@@ -38,6 +38,9 @@ def fit(
              "values go to the layers where the measured sensitivity says they buy the most.")] = None,
     sensitivity_tokens: Annotated[int | None, typer.Option(
         help="Calibration tokens scored through the model with each layer's K or V quantized alone (0: none).")] = None,
+    clip_criterion: Annotated[str | None, typer.Option(
+        help="How clips are chosen: layer-local (each layer's metric) or logit-kl (scaled by the factor with the "
+             "least final-logit KL on calibration text; needs --sensitivity-tokens).")] = None,
     context: Annotated[int | None, typer.Option(help="Sequence length at which the budget holds in bytes (a "
                                                  "sliding-window layer holds at most its window). [32768]")] = None,
     model: Annotated[str | None, typer.Option(help="The run's model for the sensitivity pass (default: the store's "
@@ -69,7 +72,8 @@ def fit(
                                                  if v is not None})
     overrides = {k: v for k, v in dict(layers=layers, method=method, per_head=per_head, fit_clip=fit_clip,
                                        bits_per_element=bits_per_element, sensitivity_tokens=sensitivity_tokens,
-                                       model=model, context=context).items() if v is not None}
+                                       model=model, context=context, clip_criterion=clip_criterion).items()
+                 if v is not None}
     cfg = dataclasses.replace(base, scheme=scheme, **overrides)
     recipe_text = rec.source if rec else _recipe_yaml(cfg)
     st = Store(store, create=False)
@@ -105,5 +109,6 @@ def _recipe_yaml(cfg) -> str:
 
     fit = dataclasses.asdict(cfg)
     fit["clip_grid"] = list(cfg.clip_grid)
+    fit["clip_scale_grid"] = list(cfg.clip_scale_grid)
     fit["scheme"] = cfg.scheme.to_dict()
     return yaml.safe_dump({"fit": fit}, sort_keys=False)
