@@ -9,13 +9,14 @@ Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model s
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
 temporary artifact folder): uniform INT2 with fp16 scales (the scheme before allocations), the same with centered keys
 and with fitted levels (the ablations) and with clips scaled by the final-logit KL, uniform INT2 with fp8 scales, and
-the budgeted allocation with fp8 scales and logit-KL clips at every ``--budgets`` value (one sensitivity pass, reused; registered in the store as any fit is). It scores each, and
-BF16, INT2-Hadamard (uniform and Gaussian levels), KIVI-2 and INT4-Hadamard (data-free baselines), teacher-forced
-through the decode-equivalent attention on ``--segments`` segments of the built-in held-out text and of ``--data2`` (a
-text outside the repository), and the fp16-scale fit with only its keys or only its values quantized (where the gap
-lives). Bits per element are the quantized part's (codes and scale/zero, K and V averaged over the rows each layer
-holds: at the evaluated length and at 32k, where a sliding-window layer holds only its window; sinks and recent rows
-are BF16 in every row alike). Prints one table and appends it to RESULTS.md with date, device, commit and command.
+the budgeted allocation with fp8 scales and logit-KL clips at every ``--budgets`` value (one sensitivity pass, reused;
+registered in the store as any fit is). It scores each, and BF16, INT2-Hadamard (uniform and Gaussian levels), KIVI-2
+and INT4-Hadamard (data-free baselines), teacher-forced through the decode-equivalent attention on ``--segments``
+segments of the built-in held-out text and of ``--data2`` (a text outside the repository), and the fp16-scale fit with
+only its keys or only its values quantized (where the gap lives). Bits per element are the quantized part's (codes and
+scale/zero, K and V averaged over the rows each layer holds: at the evaluated length and at 32k, where a sliding-
+window layer holds only its window; sinks and recent rows are BF16 in every row alike). Prints one table and appends
+it to RESULTS.md with date, device, commit and command.
 """
 
 from __future__ import annotations
