@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="oscar-bench-accuracy-"))
     fits: dict[str, Path] = {}
     t0 = time.time()
-    fp16 = dataclasses.replace(base_cfg, sensitivity_tokens=0, bits_per_element=None)
+    fp16 = dataclasses.replace(base_cfg, sensitivity_tokens=0, bits_per_element=None, clip_criterion="layer-local",
+                               scheme=dataclasses.replace(base_cfg.scheme, scale_dtype="fp16"))
     fits["oscar, INT2, fp16 scales"] = run_fit(store, args.run, fp16, tmp, "")[0]
     for label, change in (("centered keys", dict(center_keys=True)), ("fitted levels", dict(levels="fitted"))):
         cfg = dataclasses.replace(fp16, scheme=dataclasses.replace(fp16.scheme, **change))
