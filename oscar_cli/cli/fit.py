@@ -86,6 +86,10 @@ def fit(
     s = manifest.metrics["summary"]
     out.print(f"wrote {path} ({manifest.method}, {manifest.scheme.describe()}, {len(manifest.layers)} layers, "
               f"run {manifest.run_id})")
+    if "clip_scale" in manifest.metrics:
+        c = manifest.metrics["clip_scale"]
+        out.print(f"  clips scaled by the least final-logit KL on calibration text: keys x{c['k']:g}, values "
+                  f"x{c['v']:g} (capped at 1; the distortions below are the layer-local fit's)")
     if "allocation" in manifest.metrics:
         a = manifest.metrics["allocation"]
         sch = manifest.scheme
