@@ -299,6 +299,7 @@ def inspect_report(artifact: art.Artifact) -> dict:
         "summary": m.metrics["summary"],
         "sensitivity": {k: v for k, v in m.metrics.get("sensitivity", {}).items() if k != "layers"} or None,
         "allocation": m.metrics.get("allocation"),
+        "clip_scale": m.metrics.get("clip_scale"),
         "bits_per_element": m.scheme.bits_per_element(m.shape.head_dim, artifact.layers,
                                                        m.metrics.get("allocation", {}).get("layer_tokens")),
     }

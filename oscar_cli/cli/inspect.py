@@ -76,6 +76,10 @@ def inspect(
                        "/".join(f"{x:.3f}" for x in s[f"attn_k{base}"]), "/".join(f"{x:.3f}" for x in s[f"attn_v{base}"]),
                        "/".join(f"{x:.3f}" for x in s[f"logit_err{base}"]), f"{r['bits_k']}/{r['bits_v']}")
         out.print(st)
+    c = report["clip_scale"]
+    if c is not None:
+        out.print(f"clips (the table's) are the layer-local fit's scaled by the least final-logit KL on calibration "
+                  f"text: keys x{c['k']:g}, values x{c['v']:g}; the distortions above are at the unscaled clips")
     a = report["allocation"]
     if a is not None:
         out.print(f"allocation: {a['bits_per_element']:.3f} bits per quantized element (budget {a['budget']:g}), "
