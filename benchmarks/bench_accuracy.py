@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_cli.data import heldout_text, read_text_file
     from oscar_cli.eval.perplexity import perplexity
     from oscar_cli.eval.segments import segments_of, token_ids
-    from oscar_cli.jobs import fit_model_spec, run_fit
+    from oscar_cli.jobs import load_run_model, run_fit
     from oscar_cli.kvquant import EXACT, build_layer_quants
     from oscar_cli.methods import get_method, scheme_for
-    from oscar_cli.models import layer_tokens, load_model
+    from oscar_cli.models import layer_tokens
     from oscar_cli.prepare import Prepared, head_dim_of, prepare
     from oscar_cli.sensitivity import Sensitivity
     from oscar_cli.store import Store
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         base_cfg = dataclasses.replace(base_cfg, layers=args.layers)
     if args.group is not None:
         base_cfg = dataclasses.replace(base_cfg, scheme=dataclasses.replace(base_cfg.scheme, group=args.group))
-    loaded = load_model(fit_model_spec(store, run, base_cfg), store.root)
+    loaded = load_run_model(store, run, base_cfg)
     model, tok = loaded.model, loaded.tokenizer
     d = head_dim_of(model.config)
     texts = {"held-out (built-in)": heldout_text()}
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="oscar-bench-accuracy-"))
     fits: dict[str, Path] = {}
     t0 = time.time()
-    fp16 = dataclasses.replace(base_cfg, sensitivity_tokens=0, bits_per_element=None, clip_criterion="layer-local",
+    fp16 = dataclasses.replace(base_cfg.without_model_pass(),
                                scheme=dataclasses.replace(base_cfg.scheme, scale_dtype="fp16"))
     fits["oscar, INT2, fp16 scales"] = run_fit(store, args.run, fp16, tmp, "")[0]
     for label, change in (("centered keys", dict(center_keys=True)), ("fitted levels", dict(levels="fitted"))):

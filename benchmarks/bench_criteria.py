@@ -73,10 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_cli.eval.perplexity import perplexity
     from oscar_cli.eval.segments import segments_of, token_ids
     from oscar_cli.fit import key_distortion, pooled, value_distortion
-    from oscar_cli.jobs import fit_model_spec, layer_data, run_fit
+    from oscar_cli.jobs import layer_data, load_run_model, run_fit
     from oscar_cli.kvquant import build_layer_quants
     from oscar_cli.methods import get_method
-    from oscar_cli.models import load_model
     from oscar_cli.prepare import Prepared, head_dim_of
     from oscar_cli.sensitivity import logit_kl, probe
     from oscar_cli.stats import KINDS, StatsAccumulator
@@ -85,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     store = Store(Path(args.store), create=False)
     run = store.get_run(args.run)
-    cfg = dataclasses.replace(load_recipe(Path(args.recipe)).fit, model=args.model, sensitivity_tokens=0,
-                              bits_per_element=None)
-    loaded = load_model(fit_model_spec(store, run, cfg), store.root)
+    cfg = dataclasses.replace(load_recipe(Path(args.recipe)).fit, model=args.model).without_model_pass()
+    loaded = load_run_model(store, run, cfg)
     model, tok = loaded.model, loaded.tokenizer
     d = head_dim_of(model.config)
     n_layers = model.config.num_hidden_layers

@@ -141,6 +141,11 @@ class FitConfig:
     def rotation(self) -> Rotation:
         return ROTATIONS[self.method]
 
+    def without_model_pass(self) -> FitConfig:
+        """These settings without anything that runs the model at fit time: no sensitivity pass, no budget,
+        the layer-local clips."""
+        return dataclasses.replace(self, sensitivity_tokens=0, bits_per_element=None, clip_criterion="layer-local")
+
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:
     """``"all"`` or ``"0-5,9"`` -> sorted layer indices, checked against ``n_layers``."""

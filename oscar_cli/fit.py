@@ -49,20 +49,37 @@ class LayerData:
 
 @dataclass
 class LayerFit:
-    """One layer's fit. ``clips``: ``{width: (clip_k, clip_v)}`` (``[h]`` float64 each) for every width fitted;
-    ``clip_k``/``clip_v`` are the scheme's base width's."""
+    """One layer's fit. ``clips``: ``{width: (clip_k, clip_v)}`` (``[h]`` float64 each) as fitted for every width;
+    ``clip_scale``: the (key, value) factors the base width's clips are scaled by (capped at 1) where a criterion
+    other than the layer-local one chose them; :meth:`clips_at` gives the clips in effect."""
 
     r_k: torch.Tensor  # [h, d, d] float64
     r_v: torch.Tensor
-    clip_k: torch.Tensor  # [h] float64
-    clip_v: torch.Tensor
     eig_k: torch.Tensor  # [h, d]
     eig_v: torch.Tensor
+    base: int
+    clips: dict
     metrics: dict = field(default_factory=dict)
-    clips: dict = field(default_factory=dict)
     data: LayerData | None = None
     center_k: torch.Tensor | None = None  # [H, d] float64, with the scheme's center_keys
     tables: dict = field(default_factory=dict)  # {width: (levels_k, levels_v)} [H, 2**width], fitted levels
+    clip_scale: tuple[float, float] = (1.0, 1.0)
+
+    def clips_at(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(clip_k, clip_v) in effect at ``width``."""
+        ck, cv = self.clips[width]
+        if width != self.base or self.clip_scale == (1.0, 1.0):
+            return ck, cv
+        fk, fv = self.clip_scale
+        return (ck * fk).clamp(max=1.0), (cv * fv).clamp(max=1.0)
+
+    @property
+    def clip_k(self) -> torch.Tensor:
+        return self.clips_at(self.base)[0]
+
+    @property
+    def clip_v(self) -> torch.Tensor:
+        return self.clips_at(self.base)[1]
 
 
 def _heads(r: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -297,41 +314,37 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int, widths: tuple[int,
                         for kind in ("k", "v")}
             for bits in clips
         }
-    return LayerFit(r_k, r_v, clip_k, clip_v, e_k, e_v, metrics, clips, data, center, tables)
+    return LayerFit(r_k, r_v, e_k, e_v, q.bits, clips, metrics, data, center, tables)
 
 
 def layer_multipliers(f: LayerFit, bits_k: int, bits_v: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 metadata multipliers ``[H]`` of a fitted layer's keys and values at their widths, over all its rows."""
     k = f.data.k_rows if f.center_k is None else f.data.k_rows - f.center_k
-    return (meta_multipliers(k, f.r_k, f.clips[bits_k][0], bits_k, group),
-            meta_multipliers(f.data.v_rows, f.r_v, f.clips[bits_v][1], bits_v, group))
+    return (meta_multipliers(k, f.r_k, f.clips_at(bits_k)[0], bits_k, group),
+            meta_multipliers(f.data.v_rows, f.r_v, f.clips_at(bits_v)[1], bits_v, group))
 
 
-def stack_fits(layers: list[int], fits: list[LayerFit], scheme=None, group: int = 0) -> dict[str, torch.Tensor]:
-    """Artifact tensors (fp32) from per-layer fits: the clip ratios of each layer's allocated widths under
-    ``scheme`` (default: the base width), and with fp8 scales the multipliers."""
-    def width(layer: int, kind: str) -> int:
-        return scheme.width(layer, kind) if scheme is not None else next(iter(fits[0].clips), 2)
-
+def stack_fits(layers: list[int], fits: list[LayerFit], scheme, group: int) -> dict[str, torch.Tensor]:
+    """Artifact tensors (fp32) from per-layer fits: the clip ratios in effect at each layer's widths under
+    ``scheme``, and what the scheme stores beside them (key centers, fitted levels, fp8 multipliers)."""
+    pairs = list(zip(layers, fits, strict=True))
     out = {
         "layers": torch.tensor(layers, dtype=torch.int64),
         "r_k": torch.stack([f.r_k for f in fits]).float(),
         "r_v": torch.stack([f.r_v for f in fits]).float(),
-        "clip_k": torch.stack([f.clips[width(i, "k")][0] if f.clips else f.clip_k
-                               for i, f in zip(layers, fits, strict=True)]).float(),
-        "clip_v": torch.stack([f.clips[width(i, "v")][1] if f.clips else f.clip_v
-                               for i, f in zip(layers, fits, strict=True)]).float(),
+        "clip_k": torch.stack([f.clips_at(scheme.width(i, "k"))[0] for i, f in pairs]).float(),
+        "clip_v": torch.stack([f.clips_at(scheme.width(i, "v"))[1] for i, f in pairs]).float(),
         "eig_k": torch.stack([f.eig_k for f in fits]).float(),
         "eig_v": torch.stack([f.eig_v for f in fits]).float(),
     }
-    if scheme is not None and scheme.center_keys:
+    if scheme.center_keys:
         out["center_k"] = torch.stack([f.center_k for f in fits]).float()
-    if scheme is not None and scheme.levels == "fitted":
+    if scheme.levels == "fitted":
         # the INT2 units' 4 levels per KV head (an allocation's 4-bit units keep uniform levels)
         for j, kind in enumerate(("k", "v")):
             out[f"levels_{kind}"] = torch.stack([f.tables[2][j] for f in fits]).float()
-    if scheme is not None and scheme.scale_dtype == "fp8":
-        mults = [layer_multipliers(f, width(i, "k"), width(i, "v"), group) for i, f in zip(layers, fits, strict=True)]
+    if scheme.scale_dtype == "fp8":
+        mults = [layer_multipliers(f, scheme.width(i, "k"), scheme.width(i, "v"), group) for i, f in pairs]
         out["mult_k"] = torch.stack([m[0] for m in mults])
         out["mult_v"] = torch.stack([m[1] for m in mults])
     return out

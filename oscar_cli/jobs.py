@@ -95,13 +95,26 @@ def fit_model_spec(store: Store, run: Run, cfg: FitConfig) -> str:
                             "store does not hold; pass --model PATH (or --sensitivity-tokens 0)")
 
 
+def load_run_model(store: Store, run: Run, cfg: FitConfig):
+    """The run's model (:func:`fit_model_spec`), loaded and checked against the run's fingerprint: a
+    :class:`~oscar_cli.models.LoadedModel`."""
+    from .models import load_model
+
+    loaded = load_model(fit_model_spec(store, run, cfg), store.root)
+    if loaded.fingerprint != run.model_fingerprint:
+        raise art.ArtifactError(f"the model loaded for the sensitivity pass ({loaded.fingerprint}) is not run "
+                                f"{run.run_id}'s ({run.model_fingerprint}); pass the run's model with --model")
+    return loaded
+
+
 def _layer_quants(f: LayerFit, q, group: int) -> dict:
     """``{width: LayerQuant}`` of one fitted layer, at each width it was fitted for (both kinds at that width)."""
     from .fit import layer_multipliers
     from .kvquant import LayerQuant
 
     out = {}
-    for w, (ck, cv) in f.clips.items():
+    for w in f.clips:
+        ck, cv = f.clips_at(w)
         mk, mv = layer_multipliers(f, w, w, group) if q.scale_dtype == "fp8" else (None, None)
         out[w] = LayerQuant(w, w, group, f.r_k.float(), f.r_v.float(), ck.float(), cv.float(), meta=q.scale_dtype,
                             mult_k=mk, mult_v=mv, center_k=None if f.center_k is None else f.center_k.float(),
@@ -122,14 +135,11 @@ def choose_clip_scale(model, segments, cfg: FitConfig, layers: list[int], fits: 
     q = cfg.scheme
     n_layers = model.config.num_hidden_layers
     base = q.bits
-    fitted = {layer: f.clips[base] for layer, f in zip(layers, fits, strict=True)}
     chosen, curves = {"k": 1.0, "v": 1.0}, {}
 
     def apply(fk: float, fv: float) -> None:
-        for layer, f in zip(layers, fits, strict=True):
-            ck, cv = fitted[layer]
-            f.clips[base] = ((ck * fk).clamp(max=1.0), (cv * fv).clamp(max=1.0))
-            f.clip_k, f.clip_v = f.clips[base]
+        for f in fits:
+            f.clip_scale = (fk, fv)
 
     for kind in ("k", "v"):
         configs = {}
@@ -155,13 +165,10 @@ def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int
     import itertools
 
     from . import data as data_mod
-    from .models import layer_tokens, load_model
+    from .models import layer_tokens
     from .sensitivity import measure
 
-    loaded = load_model(fit_model_spec(store, run, cfg), store.root)
-    if loaded.fingerprint != run.model_fingerprint:
-        raise art.ArtifactError(f"the model loaded for the sensitivity pass ({loaded.fingerprint}) is not run "
-                                f"{run.run_id}'s ({run.model_fingerprint}); pass the run's model with --model")
+    loaded = load_run_model(store, run, cfg)
     shape = AttentionShape(**run.shape)
     q = cfg.scheme
     group = q.group_for(shape.head_dim)
@@ -216,9 +223,7 @@ def run_fit(
         if measured is not None and cfg.clip_criterion == "logit-kl":
             sens, tokens, scale = measured
             for f in fits:  # the measured fit's clip scale, applied again
-                ck, cv = f.clips[cfg.scheme.bits]
-                f.clips[cfg.scheme.bits] = ((ck * scale["k"]).clamp(max=1.0), (cv * scale["v"]).clamp(max=1.0))
-                f.clip_k, f.clip_v = f.clips[cfg.scheme.bits]
+                f.clip_scale = (scale["k"], scale["v"])
         else:
             sens, tokens, scale = measured or measure_sensitivity(store, run, cfg, layers, fits, sensitivity_progress)
         metrics["sensitivity"] = sens.to_dict()
