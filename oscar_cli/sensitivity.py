@@ -143,25 +143,26 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
     energy = _per_kv_head(out.float().pow(2), H)
     sink_end = attn.first_real(allowed) + scheme.sink
     qstart = int(sink_end.min())
+    block = next(iter(quants.values())).token_block
+    qend = qstart + quantized_count(n, qstart, scheme.recent, block)
+    if qend > qstart:  # the exact softmax over the rows read quantized, shared by every width
+        g = query.shape[1] // H
+        qf = query.float()
+        s = (qf @ key.float().repeat_interleave(g, 1).transpose(-1, -2)) * scaling
+        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)[..., qstart:qend]
+        p = p * attn.rt_mask(q_pos, qstart, qend - qstart, sink_end, qstart, scheme.recent, block)  # [B, Hq, T, L]
     for w, lq in quants.items():
         for kind in KINDS:
             one = replace(lq, bits_k=w if kind == "k" else EXACT, bits_v=w if kind == "v" else EXACT)
             o = attn.decode_equivalent(query, key, value, allowed, scaling, one, scheme, q_pos)
             err = _per_kv_head((o.float() - out.float()).pow(2), H)
             res.setdefault(("attn", kind, w), []).append((err, energy))
-        qend = qstart + quantized_count(n, qstart, scheme.recent, lq.token_block)
         if qend <= qstart:
             continue
-        one = replace(lq, bits_k=w, bits_v=EXACT)
-        dk = roundtrip(key[:, :, qstart:qend], one, "k") - key[:, :, qstart:qend].float()
-        use = attn.rt_mask(q_pos, qstart, qend - qstart, sink_end, qstart, scheme.recent, lq.token_block)  # [B,1,T,L]
-        g = query.shape[1] // H
-        qf = query.float()
-        s = (qf @ key.float().repeat_interleave(g, 1).transpose(-1, -2)) * scaling
-        s = s.masked_fill(~allowed, float("-inf"))
-        p = torch.softmax(s, -1)[..., qstart:qend]
+        rows = key[:, :, qstart:qend]
+        dk = roundtrip(rows, replace(lq, bits_k=w, bits_v=EXACT), "k") - rows.float()
         ds = (qf @ dk.repeat_interleave(g, 1).transpose(-1, -2)) * scaling
-        e = (p * ds.pow(2) * use).sum(-1)  # [B, Hq, T]
+        e = (p * ds.pow(2)).sum(-1)  # [B, Hq, T]
         b = e.shape[0]
         res.setdefault(("logit", w), []).append(
             (e.double().view(b, H, g, T).sum((0, 2, 3)), torch.full((H,), float(b * g * T), dtype=torch.float64)))
