@@ -1,7 +1,7 @@
 """Decode on Qwen3-8B shapes: INT2 (``DecodePlan``) vs torch SDPA BF16 (cuDNN, flash), CUDA-graph replay.
 
-Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge | --variants
-[--set write|one-wave|balance|async|int8|int8-values|lean] [--recent N]] [--results benchmarks/RESULTS.md]
+Usage: python benchmarks/bench_decode.py [--commit SHA] [--sweep | --sweep-only | --layouts | --merge | --metadata
+| --variants [--set write|one-wave|balance|async|int8|int8-values|lean] [--recent N]] [--results benchmarks/RESULTS.md]
 Prints a table (median µs, GB/s on the bytes the attention reads, ratio to the best BF16 backend measured in the same
 run, fraction of the copy bandwidth measured in the same run) and appends it to RESULTS.md with the date, device,
 commit and command. Random data, never zeros. Each sequence of ``ctx`` tokens is planned by ``DecodePlan`` over an
@@ -67,8 +67,8 @@ def fill_random(cache: LayerCache, gen: torch.Generator) -> None:
     for p in (cache.k, cache.v):
         dev = p.codes.device
         p.codes.copy_(torch.randint(0, 256, p.codes.shape, dtype=torch.uint8, device=dev, generator=gen))
-        p.scale.copy_((torch.rand(p.scale.shape, device=dev, generator=gen) * 0.1 + 0.01).half())
-        p.zero.copy_((torch.randn(p.zero.shape, device=dev, generator=gen) * 0.1).half())
+        p.scale.copy_((torch.rand(p.scale.shape, device=dev, generator=gen) * 0.1 + 0.01).to(p.scale.dtype))
+        p.zero.copy_((torch.randn(p.zero.shape, device=dev, generator=gen) * 0.1).to(p.zero.dtype))
     for t in (cache.k_bf16, cache.v_bf16):
         t.copy_(torch.randn(t.shape, device=t.device, dtype=torch.bfloat16, generator=gen))
 
@@ -76,13 +76,16 @@ def fill_random(cache: LayerCache, gen: torch.Generator) -> None:
 class Int2Case:
     """One batch: ``bs`` sequences of ``ctx`` tokens (new token included) in a one-layer pool, planned once."""
 
-    def __init__(self, bs: int, ctx: int, gen: torch.Generator, head_major: bool = True, **plan_kw):
+    def __init__(self, bs: int, ctx: int, gen: torch.Generator, head_major: bool = True, scale_dtype: str = "fp16",
+                 **plan_kw):
         """``head_major``: ``Int2KVPool``'s layout ([Hkv, S, ...] storage behind [S, Hkv, ...] views); ``False`` runs
-        the attention over slot-major copies of the same pools (the layout of the tables before commit 0fbef24)."""
+        the attention over slot-major copies of the same pools (the layout of the tables before commit 0fbef24).
+        ``scale_dtype``: the pools' scale/zero storage (``fp8``: e4m3 with per-head multipliers)."""
         self.bs, self.ctx, self.n2 = bs, ctx, ctx - BF16_TOKENS
         rot = torch.linalg.qr(torch.randn(2, HKV, D, D, device=DEV, generator=gen))[0].contiguous()
-        self.pool = Int2KVPool(QuantScheme(group=0, sink=SINK, recent=RECENT), 1, HKV, D, bs * ctx, bs,
-                               rot[:1], rot[1:], device=DEV)
+        mult = torch.full((1, HKV), 2.0 ** -5) if scale_dtype == "fp8" else None
+        self.pool = Int2KVPool(QuantScheme(group=0, sink=SINK, recent=RECENT, scale_dtype=scale_dtype), 1, HKV, D,
+                               bs * ctx, bs, rot[:1], rot[1:], device=DEV, mult_k=mult, mult_v=mult)
         fill_random(self.pool.layer(0), gen)
         self.cache = self.pool.layer(0)
         if not head_major:
@@ -100,7 +103,8 @@ class Int2Case:
         self.out = torch.empty_like(self.q)
 
     def bytes_read(self) -> int:
-        int2 = self.bs * self.n2 * HKV * 2 * (D // 4 + 4)  # codes + fp16 scale + fp16 zero, K and V
+        meta = self.pool.scheme.meta_bits // 8  # scale + zero of the row's one group
+        int2 = self.bs * self.n2 * HKV * 2 * (D // 4 + meta)  # codes + scale + zero, K and V
         bf16 = self.bs * BF16_TOKENS * HKV * D * 2 * 2
         idx = (self.bs * self.ctx) * 4
         rot = 2 * HKV * D * D * 4
@@ -388,6 +392,42 @@ def variants_table(gen, results: str, commit: str, variants=None, shapes=None, r
                    "bound for the batch.", table)
 
 
+METADATA_SHAPES = [(1, 32768), (1, 131072), (8, 32768), (16, 131072), (32, 32768)]
+"""``--metadata``: batch 1 (launch- and latency-bound) and the large batches (bandwidth-bound)."""
+
+
+def metadata_table(gen, results: str, commit: str, bw: float, shapes=None) -> None:
+    """The attention (``decode_int2`` over the planned lists) over pools with fp16 scales and zeros against FP8 ones
+    (e4m3 with per-head multipliers: 34 instead of 36 bytes per token, head and K or V at d = g = 128), the same
+    shapes and data layout, one table: µs, bytes read, µs per MB read and its ratio (FP8 / fp16; the mixed-metadata
+    target is within 1.10), the fraction of the copy bandwidth."""
+    shapes = shapes or METADATA_SHAPES
+    rows = []
+    for bs, ctx in shapes:
+        t = {}
+        for dtype in ("fp16", "fp8"):
+            case = Int2Case(bs, ctx, gen, scale_dtype=dtype)
+            us = graph_us(case.fn())
+            t[dtype] = (us, case.bytes_read())
+            print(f"bs{bs} ctx{ctx} {dtype}: {us:.1f} µs, {case.bytes_read() / 1e6:.1f} MB", flush=True)
+            del case
+            torch.cuda.empty_cache()
+        per = {k: us / (b / 1e6) for k, (us, b) in t.items()}
+        rows.append([f"bs{bs}/{ctx // 1024}k", f"{t['fp16'][0]:.1f}", f"{t['fp8'][0]:.1f}",
+                     f"{t['fp8'][0] / t['fp16'][0]:.3f}", f"{t['fp16'][1] / 1e6:.1f}", f"{t['fp8'][1] / 1e6:.1f}",
+                     f"{per['fp8'] / per['fp16']:.3f}", f"{t['fp16'][1] / (t['fp16'][0] * 1e-6) / bw:.2f}",
+                     f"{t['fp8'][1] / (t['fp8'][0] * 1e-6) / bw:.2f}"])
+    head = ["shape", "fp16 µs", "FP8 µs", "time FP8/fp16", "fp16 MB read", "FP8 MB read", "µs per MB FP8/fp16",
+            "fp16 of copy bw", "FP8 of copy bw"]
+    table = markdown_table(head, rows)
+    print(table)
+    append_section(results, "Decode attention, fp16 against FP8 scales and zeros", torch.cuda.get_device_name(),
+                   commit, "`decode_int2` over `DecodePlan`'s lists (default launch), CUDA-graph replay median; "
+                   f"Qwen3-8B shapes (32 q / 8 KV heads, d 128), INT2 g = d, sink {SINK}, recent {RECENT}; the same "
+                   "random codes layout with fp16 scale and zero (36 B per token, head and K or V) or e4m3 ones with "
+                   "a per-head multiplier (34 B).", table)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--commit", default=None, help="commit recorded in RESULTS.md (default: git rev-parse HEAD)")
@@ -405,6 +445,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "the Gluon split kernel against the Triton one, two or three stages; int8: its scores from "
                          "int8 MMAs; int8-values: its value products too; lean: lean tiles, movmatrix, the fused "
                          "value update)")
+    ap.add_argument("--metadata", action="store_true",
+                    help="time the attention over fp16 against FP8 scales and zeros, append the table, then stop")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,
                     help=f"with --variants: the pools' exact recent window (default {RECENT}; above it "
@@ -431,6 +473,9 @@ def main() -> None:
         return
     if args.merge:
         merge_table(gen, args.results, commit)
+        return
+    if args.metadata:
+        metadata_table(gen, args.results, commit, bw)
         return
     if args.variants:
         named = args.variant_set

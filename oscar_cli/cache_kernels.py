@@ -41,8 +41,8 @@ def kernel_ready(lq: LayerQuant | None, scheme: QuantScheme, head_dim: int, devi
         return "per-channel (KIVI) keys"
     if (lq.bits_k, lq.bits_v) != (2, 2):
         return f"{lq.bits_k}-bit keys and {lq.bits_v}-bit values"
-    if lq.meta != "fp16":
-        return f"{lq.meta} scales"
+    if lq.meta == "fp8" and (lq.mult_k is None or lq.mult_v is None):
+        return "FP8 scales without fitted multipliers (the kernels need the artifact's mult_k/mult_v)"
     if lq.decode.int8_scores:
         return "int8 scores (the kernels' prefill path has no int8 variant; the reference attention emulates it)"
     if lq.decode.int8_values:
@@ -64,6 +64,13 @@ def _stack_rot(quants: list[LayerQuant], which: str, d: int) -> torch.Tensor:
         rots.append(torch.eye(d)[None] if r is None else r.float().cpu())
     h = max(r.shape[0] for r in rots)
     return torch.stack([r.expand(h, d, d) for r in rots])
+
+
+def _stack_mult(quants: list[LayerQuant], which: str, kv_heads: int) -> torch.Tensor | None:
+    """The layers' FP8 multipliers ``[L, Hkv]`` (None with fp16 scales)."""
+    if quants[0].meta != "fp8":
+        return None
+    return torch.stack([(lq.mult_k if which == "k" else lq.mult_v).float().cpu().expand(kv_heads) for lq in quants])
 
 
 def _stack_clip(quants: list[LayerQuant], which: str) -> torch.Tensor:
@@ -108,7 +115,9 @@ class KernelState:
         old, old_cap = self.pool, self.capacity
         pool = Int2KVPool(self.scheme, len(self.quants), self.kv_heads, self.head_dim, batch * capacity, batch,
                           _stack_rot(self.quants, "k", self.head_dim), _stack_rot(self.quants, "v", self.head_dim),
-                          _stack_clip(self.quants, "k"), _stack_clip(self.quants, "v"), device=device)
+                          _stack_clip(self.quants, "k"), _stack_clip(self.quants, "v"), device=device,
+                          mult_k=_stack_mult(self.quants, "k", self.kv_heads),
+                          mult_v=_stack_mult(self.quants, "v", self.kv_heads))
         if old is not None:  # same rows and positions in the larger table; exact regions are per row: unchanged
             for j in range(len(self.quants)):
                 a, b = old.layer(j), pool.layer(j)

@@ -33,15 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from oscar_kernels import SCALE_EPS, pack, unpack
+from oscar_kernels import FP8_MAX, FP8_MIN_STEP, SCALE_EPS, pack, unpack
 
 __all__ = ["FP8_MAX", "META_HEADROOM", "SCALE_EPS", "QuantizedRows", "bits_per_element", "clip_bounds", "dequantize",
            "fake_quant", "gaussian_table", "lloyd_max", "meta_multiplier", "pack", "quantize", "unpack"]
 
-FP8_MAX = 448.0
-"""Largest finite float8 e4m3 value."""
-FP8_MIN_STEP = 2.0 ** -9
-"""Smallest positive float8 e4m3 value (a subnormal): the floor of a stored scale."""
 META_HEADROOM = 7
 """:func:`meta_multiplier` maps the largest calibration |scale| or |zero| to at most ``2**META_HEADROOM`` (128): 3.5x
 headroom below e4m3's 448 for rows larger than calibration saw, 13 binades above its smallest normal value."""

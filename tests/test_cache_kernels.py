@@ -2,6 +2,8 @@
 torch reference backend: prefill, chunked prefill and decode steps, left padding, per-head clips, pool growth.
 On a GPU machine the models run on CUDA (the kernels compiled for the device)."""
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import build_llama
@@ -31,9 +33,17 @@ def per_head_quants(n_layers=2, h=2):
     return out
 
 
+def fp8_quants(n_layers=2, h=2):
+    """:func:`per_head_quants` with FP8 scales and zeros: per-head multipliers of two binades."""
+    mult = torch.tensor([2.0 ** -6, 2.0 ** -4])
+    return [dataclasses.replace(lq, meta="fp8", mult_k=mult, mult_v=mult.flip(0)) for lq in per_head_quants(n_layers, h)]
+
+
 def quants_for(kind, scheme):
     if kind == "per-head":
         return per_head_quants()
+    if kind == "per-head-fp8":
+        return fp8_quants()
     m = get_method(kind)
     return build_layer_quants(m, scheme_for(m, D, reference=scheme), 2, D, 2)
 
@@ -84,10 +94,11 @@ def steps_and_layer0(model, cache, x, mask, chunks, decode_steps):
     return logits, torch.cat(seen, 1)
 
 
-@pytest.mark.parametrize("kind,chunks", [("per-head", (24,)), ("int2-hadamard", (9, 15)), ("int2-naive", (24,))])
+@pytest.mark.parametrize("kind,chunks", [("per-head", (24,)), ("int2-hadamard", (9, 15)), ("int2-naive", (24,)),
+                                         ("per-head-fp8", (11, 13))])
 def test_kernel_backend_matches_the_reference(kind, chunks):
     model = tiny()
-    scheme = QuantScheme(sink=3, recent=5)
+    scheme = QuantScheme(sink=3, recent=5, scale_dtype="fp8" if kind.endswith("fp8") else "fp16")
     q = quants_for(kind, scheme)
     x = torch.randint(1, 96, (2, 24), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(x)
@@ -172,8 +183,6 @@ def test_backend_choice_and_refusals(monkeypatch):
     # head dim 32 runs in the interpreter; on CUDA the decode kernel refuses it, so `auto` there takes the reference
     assert kernel_ready(per_head_quants()[0], scheme, 32) is None
     assert "head dim >= 64" in kernel_ready(per_head_quants()[0], scheme, 32, "cuda")
-    import dataclasses
-
     for flag, words in (("int8_scores", "int8 scores"), ("int8_values", "int8 values")):
         lq = dataclasses.replace(per_head_quants()[0], decode=DecodeOptions(**{flag: True}))
         assert words in kernel_ready(lq, scheme, 32) and "reference attention emulates it" in kernel_ready(lq, scheme, 32)
@@ -190,6 +199,9 @@ def test_backend_choice_and_refusals(monkeypatch):
     kivi = quants_for("int2-kivi", scheme)
     with pytest.raises(OscarError, match="layer 0: per-channel"):
         OscarCache(model, kivi, scheme, backend="kernels")
+    unfitted = [dataclasses.replace(lq, mult_k=None) for lq in fp8_quants()]
+    with pytest.raises(OscarError, match="FP8 scales without fitted multipliers"):
+        OscarCache(model, unfitted, QuantScheme(sink=2, recent=4, scale_dtype="fp8"), backend="kernels")
     four = build_layer_quants(get_method("int4-hadamard"), scheme_for(get_method("int4-hadamard"), D), 2, D, 2)
     with pytest.raises(OscarError, match="4-bit keys and 4-bit values"):
         OscarCache(model, four, scheme, backend="kernels")

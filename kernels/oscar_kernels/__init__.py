@@ -22,7 +22,7 @@ _EXPORTS = {
     "decode_grid": ("DecodeIndex", "SplitPolicy", "balance_counts", "decode_index", "decode_workspace",
                     "default_num_splits", "split_policy"),
     "extend": ("ExtendIndex", "dequant_scratch", "extend_int2", "extend_int2_dequant", "extend_int2_ref"),
-    "layout": ("DEFAULT_CLIP_RATIO", "SCALE_EPS", "Int2Pool", "LayerCache", "cached_rows_ref", "dequantize_ref",
+    "layout": ("DEFAULT_CLIP_RATIO", "FP8_MAX", "FP8_MIN_STEP", "SCALE_EPS", "Int2Pool", "LayerCache", "cached_rows_ref", "dequantize_ref",
                "exact_row_ref", "pack", "unpack"),
     "plan": ("DecodePlan", "ExtendPlan"),
     "pool": ("Int2KVPool",),

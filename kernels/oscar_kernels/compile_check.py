@@ -139,7 +139,8 @@ def compile_only(arch: int = 90) -> Iterator[list[Compiled]]:
 def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
     """One extend and one decode step of two requests through the pool and plans (every serving kernel), at
     ``head_dim`` with its row group (``g = d``, the row-scale decode path) and, where ``d >= 64``, ``g = 32``; then
-    the decode step under each option and launch knob that compiles other code."""
+    the decode step under each option and launch knob that compiles other code; then the same pool with FP8 scales
+    and zeros through every kernel that reads them."""
     from .decode import DecodeLaunch
     from .plan import DecodePlan, ExtendPlan
     from .pool import Int2KVPool
@@ -186,6 +187,23 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
                         DecodeOptions(int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True,
                                       movmatrix=True)):
             step(DecodePlan(pool, 2, 128, q_heads=hq, options=options))
+
+        # FP8 scales and zeros (e4m3 times per-head multipliers): the write, both extend paths, and the decode split
+        # kernels that read them (the default for this group, the general one, the Triton row-scale one, the Gluon
+        # one with every option)
+        fp8 = QuantScheme(group=g, sink=4, recent=8, scale_dtype="fp8")
+        mult = torch.full((1, kv_heads), 2.0 ** -5)
+        pool = Int2KVPool(fp8, 1, kv_heads, d, 256, 2, rot, rot.clone(), clip_k=0.9, clip_v=0.95, mult_k=mult,
+                          mult_v=mult)
+        for deq in (None, 0):
+            ext = ExtendPlan(pool, 2, 64, 128, dequant_tokens=deq)
+            ext.plan(r2t, i(0, 1), i(0, 10), i(40, 24), torch.cat([r2t[0, :40], r2t[1, 10:34]]))
+            ext.run(0, *(torch.randn(64, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        for row_kernel in (None, False):
+            step(DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel))
+        step(DecodePlan(pool, 2, 128, q_heads=hq, launch=DecodeLaunch(async_tiles=False)))
+        step(DecodePlan(pool, 2, 128, q_heads=hq, options=DecodeOptions(
+            int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True, movmatrix=True)))
 
 
 def main(argv: list[str] | None = None) -> int:

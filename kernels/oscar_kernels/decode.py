@@ -263,11 +263,12 @@ def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_s
         n_int2 = int(index.kv_indptr[b + 1] - index.kv_indptr[b])
         sl = index.kv_indices[index.kv_indptr[b]:index.kv_indptr[b + 1]].long()
         if int8_scores:  # the INT2 rows' zeros, per element
-            zero = cache.k.zero[sl].float().repeat_interleave(cache.k.group_size, -1)  # [n_int2, Hkv, d]
+            zero = cache.k.scale_zero(sl)[1].repeat_interleave(cache.k.group_size, -1)  # [n_int2, Hkv, d]
         if int8_values:  # the INT2 rows' value codes, their scales and zeros
-            vc = dequantize_ref(cache.v.codes[sl], torch.ones_like(cache.v.scale[sl]),
-                                torch.zeros_like(cache.v.zero[sl]), d)  # [n_int2, Hkv, d]
-            vsc, vz = cache.v.scale[sl][..., 0].float(), cache.v.zero[sl][..., 0].float()  # [n_int2, Hkv]
+            shape, dev = cache.v.scale[sl].shape, cache.v.codes.device
+            vc = dequantize_ref(cache.v.codes[sl], torch.ones(shape, device=dev), torch.zeros(shape, device=dev),
+                                d)  # [n_int2, Hkv, d]
+            vsc, vz = (t[..., 0] for t in cache.v.scale_zero(sl))  # [n_int2, Hkv]
         for h in range(hq):
             kh = h // gqa
             qr = q[b, h].float() @ rk[kh]

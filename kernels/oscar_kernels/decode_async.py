@@ -40,7 +40,16 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .decode_common import F16_MAGIC, finish_split, list_part, split_args, split_counts, store_planes, word_planes_magic
+from .decode_common import (
+    F16_MAGIC,
+    finish_split,
+    head_mults,
+    list_part,
+    split_args,
+    split_counts,
+    store_planes,
+    word_planes_magic,
+)
 from .scheme import DecodeOptions
 
 HEAD_DIM = gl.constexpr(128)
@@ -221,21 +230,30 @@ def _issue_tile(K_WORDS, V_WORDS, k_dst, v_dst, slot, valid, kvh, offs_w, stride
 
 @gluon.jit
 def _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
-                 stride_vss, stride_vsh, stride_vzs, stride_vzh, OFF64: gl.constexpr):
+                 stride_vss, stride_vsh, stride_vzs, stride_vzh, mk, mv, OFF64: gl.constexpr,
+                 META_FP8: gl.constexpr):
     """One tile's key/value scales and zeros (fp16, the slot vector's layout). Tokens outside ``valid`` read slot 0
-    (any bits: their score is -inf) and get value scale and zero 0 (their ``p*s`` and ``p*z`` must be 0)."""
+    (any bits: their score is -inf) and get value scale and zero 0 (their ``p*s`` and ``p*z`` must be 0). FP8
+    metadata is read as e4m3 times the head's multiplier ``mk`` / ``mv`` and handed on as fp16, exactly (see
+    :mod:`oscar_kernels.layout`), so the rest of the kernel is the same for both."""
     if OFF64:
         slot = slot.to(gl.int64)
-    return (gl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh),
-            gl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh),
-            gl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=valid, other=0.0),
-            gl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=valid, other=0.0))
+    ks = gl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh)
+    kz = gl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh)
+    vs = gl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=valid, other=0.0)
+    vz = gl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=valid, other=0.0)
+    if META_FP8:
+        ks = (ks.to(gl.float32) * mk).to(gl.float16)
+        kz = (kz.to(gl.float32) * mk).to(gl.float16)
+        vs = (vs.to(gl.float32) * mv).to(gl.float16)
+        vz = (vz.to(gl.float32) * mv).to(gl.float16)
+    return ks, kz, vs, vz
 
 
 @gluon.jit
 def _decode_rows_async_kernel(
     QN,
-    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
+    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, MULT_K, MULT_V,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
     PART_O, PART_LSE, NUM_SPLITS, NUM_EXACT,
@@ -248,7 +266,7 @@ def _decode_rows_async_kernel(
     stride_plb, stride_plh,
     GQA: gl.constexpr, BLOCK_H: gl.constexpr, OFF64: gl.constexpr, PER_SEQ_EXACT: gl.constexpr,
     STAGES: gl.constexpr, Q8: gl.constexpr, V8: gl.constexpr, LEAN: gl.constexpr, FUSED: gl.constexpr,
-    MOVM: gl.constexpr,
+    MOVM: gl.constexpr, META_FP8: gl.constexpr,
 ):
     D: gl.constexpr = HEAD_DIM
     W: gl.constexpr = D // 8
@@ -300,11 +318,12 @@ def _decode_rows_async_kernel(
         # the tile computed, scales one
         valid = lo + offs_t < hi
         slot = gl.load(KV_INDICES + kv_start + lo + offs_t, mask=valid, other=0)
+        mk, mv = head_mults(MULT_K, MULT_V, kvh, META_FP8)
         _issue_tile(K_WORDS, V_WORDS, k_ring.index(0), v_ring.index(0), slot, valid, kvh, offs_w, stride_kws,
                     stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
         ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss,
                                               stride_ksh, stride_kzs, stride_kzh, stride_vss, stride_vsh, stride_vzs,
-                                              stride_vzh, OFF64)
+                                              stride_vzh, mk, mv, OFF64, META_FP8)
         pos1 = lo + BN + offs_t
         slot1 = gl.load(KV_INDICES + kv_start + pos1, mask=pos1 < hi, other=0)  # tile 1
         slot2 = slot1
@@ -392,7 +411,7 @@ def _decode_rows_async_kernel(
                             stride_vwh, ROWS, OFF64)
                 ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot1, offs_t < left - BN,
                                                       kvh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
-                                                      stride_vss, stride_vsh, stride_vzs, stride_vzh, OFF64)
+                                                      stride_vss, stride_vsh, stride_vzs, stride_vzh, mk, mv, OFF64, META_FP8)
                 far = start + STAGES * BN + offs_t
                 slot_far = gl.load(KV_INDICES + kv_start + far, mask=offs_t < left - STAGES * BN, other=0)
             else:  # statement for statement as before LEAN: sharing the calls above moves LLVM's schedule of the
@@ -403,7 +422,7 @@ def _decode_rows_async_kernel(
                 nxt = start + BN + offs_t
                 ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot1, nxt < hi, kvh,
                                                       stride_kss, stride_ksh, stride_kzs, stride_kzh, stride_vss,
-                                                      stride_vsh, stride_vzs, stride_vzh, OFF64)
+                                                      stride_vsh, stride_vzs, stride_vzh, mk, mv, OFF64, META_FP8)
                 far = start + STAGES * BN + offs_t
                 slot_far = gl.load(KV_INDICES + kv_start + far, mask=far < hi, other=0)
             if STAGES == 3:
@@ -589,5 +608,5 @@ def launch(q_rot, cache, index, part_o, part_lse, num_exact, *, block_h: int, op
         BLOCK_H=max(block_h, 8) if options.movmatrix else block_h, OFF64=cache.off64,
         PER_SEQ_EXACT=index.num_exact is not None, STAGES=options.num_stages or STAGES, Q8=options.int8_scores,
         V8=options.int8_values, LEAN=options.lean_tiles, FUSED=options.fused_update, MOVM=options.movmatrix,
-        num_warps=1, **cap,
+        META_FP8=cache.fp8, num_warps=1, **cap,
     )

@@ -56,6 +56,27 @@ _BF16_PLANE3 = tl.constexpr(_plane_asm(6, _BF16_PAIR))
 
 
 @triton.jit
+def head_mults(MULT_K, MULT_V, kvh, META_FP8: tl.constexpr):
+    """KV head ``kvh``'s FP8 metadata multipliers ``(m_K, m_V)`` (1.0 each with fp16 metadata, never read)."""
+    if META_FP8:
+        mk = tl.load(MULT_K + kvh)
+        mv = tl.load(MULT_V + kvh)
+    else:
+        mk = 1.0
+        mv = 1.0
+    return mk, mv
+
+
+@triton.jit
+def meta_f32(x, m, META_FP8: tl.constexpr):
+    """Stored scales or zeros -> fp32 values: FP8 ones times their head's multiplier ``m``, fp16 ones as they are."""
+    if META_FP8:
+        return x.to(tl.float32) * m
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def split_counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT: tl.constexpr):
     """Programs of sequence ``b`` (split kernels and merge agree on them): ``e`` exact programs, ``clamp(num_exact[b],
     1, exact_splits)`` (``PER_SEQ_EXACT``) or ``exact_splits``, and ``n = clamp(num_splits[b], 1, parts - e)`` INT2
@@ -211,14 +232,16 @@ def exact_tile(q0, q1, q2, q3, K, V, rows, mask_n, stride_ks, stride_kh, stride_
 def split_args(q_rot: torch.Tensor, cache, index, part_o: torch.Tensor, part_lse: torch.Tensor,
                num_exact: torch.Tensor, words: bool) -> tuple:
     """The pointer, count and stride arguments every decode split kernel takes, in order: the rotated queries, the
-    layer's INT2 pools (code ``words``: int16 views, for the row-scale kernels; else the uint8 code bytes) and exact
+    layer's INT2 pools (code ``words``: int16 views, for the row-scale kernels; else the uint8 code bytes) with their
+    FP8 multipliers (:attr:`~oscar_kernels.layout.LayerCache.mults`) and exact
     rows (a :class:`~oscar_kernels.layout.LayerCache`), ``index``'s lists and counts (a
     :class:`~oscar_kernels.decode_grid.DecodeIndex`; ``num_exact`` in place of ``index.num_exact`` when that is
     None, never read then) and the partials."""
     k, v = cache.k, cache.v
     kc, vc = (k.words, v.words) if words else (k.codes, v.codes)
+    mk, mv = cache.mults
     return (q_rot,
-            kc, k.scale, k.zero, vc, v.scale, v.zero,
+            kc, k.scale, k.zero, vc, v.scale, v.zero, mk, mv,
             cache.k_bf16, cache.v_bf16,
             index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
             part_o, part_lse, index.num_splits, num_exact,

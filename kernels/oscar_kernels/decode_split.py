@@ -30,7 +30,9 @@ from .decode_common import (
     dot_nt,
     exact_tile,
     finish_split,
+    head_mults,
     list_part,
+    meta_f32,
     planes_bf16,
     planes_f16,
     softmax_step,
@@ -126,12 +128,12 @@ def _rows_values(p, alpha, vw, vs, vz, pz, a0, a1, a2, a3, a4, a5, a6, a7,
 
 @triton.jit
 def _rows_tile(start, hi, kv_start, slot_next, offs_t, offs_w, kvh, KV_INDICES,
-               K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
+               K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, mk, mv,
                stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
                stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
                q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7,
                BLOCK_N: tl.constexpr, OFF: tl.constexpr, MAGIC: tl.constexpr, DOT_T: tl.constexpr,
-               OFF64: tl.constexpr):
+               OFF64: tl.constexpr, META_FP8: tl.constexpr):
     """One row-scale tile of the split loop: tokens ``[start, start + BLOCK_N)`` of the split ending at ``hi`` (token
     masks on the slots, the scores and the value scales), whose slots ``slot_next`` the iteration before loaded.
     Returns the next tile's slots and the updated softmax state and plane accumulators."""
@@ -143,12 +145,13 @@ def _rows_tile(start, hi, kv_start, slot_next, offs_t, offs_w, kvh, KV_INDICES,
         slot = slot.to(tl.int64)
     kw, ks, kz = _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, slot, kvh, offs_w, stride_kws, stride_kwh,
                                stride_kss, stride_ksh, stride_kzs, stride_kzh)
-    p, alpha, m_i, l_i = _rows_scores(kw, ks.to(tl.float32), kz.to(tl.float32), mask_n, q0, q1, q2, q3,
+    p, alpha, m_i, l_i = _rows_scores(kw, meta_f32(ks, mk, META_FP8), meta_f32(kz, mk, META_FP8), mask_n,
+                                      q0, q1, q2, q3,
                                       q4, q5, q6, q7, s_init, qtot, m_i, l_i, MAGIC, DOT_T)
     vw, vs, vz = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vws,
                                stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
     pz, a0, a1, a2, a3, a4, a5, a6, a7 = _rows_values(
-        p, alpha, vw, vs.to(tl.float32), vz.to(tl.float32), pz, a0, a1, a2, a3, a4, a5, a6, a7,
+        p, alpha, vw, meta_f32(vs, mv, META_FP8), meta_f32(vz, mv, META_FP8), pz, a0, a1, a2, a3, a4, a5, a6, a7,
         OFF, MAGIC, DOT_T)
     return slot_next, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7
 
@@ -190,7 +193,7 @@ def _split_state(W: tl.constexpr, H: tl.constexpr):
 @triton.jit
 def _decode_rows_kernel(
     QN,
-    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
+    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, MULT_K, MULT_V,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
     PART_O, PART_LSE, NUM_SPLITS, NUM_EXACT,
@@ -204,7 +207,7 @@ def _decode_rows_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
     MAGIC: tl.constexpr, DOT_T: tl.constexpr, BF_PV_T: tl.constexpr, OFF64: tl.constexpr,
-    PER_SEQ_EXACT: tl.constexpr,
+    PER_SEQ_EXACT: tl.constexpr, META_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -235,14 +238,15 @@ def _decode_rows_kernel(
         offs_t = tl.arange(0, BLOCK_N)
         # the slots of the first tile; each iteration then loads the next tile's
         slot_next = tl.load(KV_INDICES + kv_start + lo + offs_t, mask=lo + offs_t < hi, other=0)
+        mk, mv = head_mults(MULT_K, MULT_V, kvh, META_FP8)
         for start in range(lo, hi, BLOCK_N):
             slot_next, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7 = _rows_tile(
                 start, hi, kv_start, slot_next, offs_t, offs_w, kvh, KV_INDICES,
-                K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO,
+                K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, mk, mv,
                 stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
                 stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
                 q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7,
-                BLOCK_N, OFF, MAGIC, DOT_T, OFF64)
+                BLOCK_N, OFF, MAGIC, DOT_T, OFF64, META_FP8)
         inv_l, lse = finish_split(m_i, l_i)
         il = inv_l[None, :]
         zt = (pz * inv_l)[None, :]
@@ -283,7 +287,7 @@ def _decode_rows_kernel(
 @triton.jit
 def _decode_int2_kernel(
     QN,
-    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
+    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, MULT_K, MULT_V,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
     PART_O, PART_LSE, NUM_SPLITS, NUM_EXACT,
@@ -297,6 +301,7 @@ def _decode_int2_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
     QK_T: tl.constexpr, PV_T: tl.constexpr, PTX_UNPACK: tl.constexpr, PER_SEQ_EXACT: tl.constexpr,
+    META_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -336,6 +341,7 @@ def _decode_int2_kernel(
             qsum = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)
                     + tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1))
             gidx = offs_m // BQ
+            mk, mv = head_mults(MULT_K, MULT_V, kvh, META_FP8)
             for start in range(lo, hi, BLOCK_N):
                 offs_n = start + tl.arange(0, BLOCK_N)
                 mask_n = offs_n < hi
@@ -343,10 +349,14 @@ def _decode_int2_kernel(
                 kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
                 vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
                 if NG == 1:
-                    ks = tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh, mask=mask_n, other=0.0).to(tl.float32)
-                    kz = tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh, mask=mask_n, other=0.0).to(tl.float32)
-                    vs = tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)
-                    vz = tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0).to(tl.float32)
+                    ks = meta_f32(tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh, mask=mask_n, other=0.0),
+                                  mk, META_FP8)
+                    kz = meta_f32(tl.load(K_ZERO + slot * stride_kzs + kvh * stride_kzh, mask=mask_n, other=0.0),
+                                  mk, META_FP8)
+                    vs = meta_f32(tl.load(V_SCALE + slot * stride_vss + kvh * stride_vsh, mask=mask_n, other=0.0),
+                                  mv, META_FP8)
+                    vz = meta_f32(tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0),
+                                  mv, META_FP8)
                     if PTX_UNPACK:  # codes arrive as F16_MAGIC + c: q.(M + c) = q.c + M sum(q)
                         k0, k1, k2, k3 = planes_f16(kc)
                         kz = kz - F16_MAGIC * ks
@@ -361,10 +371,10 @@ def _decode_int2_kernel(
                     qc += dot_nt(q3, k3, True)
                     s = qc * ks[None, :] + qsum[:, None] * kz[None, :]
                 else:
-                    ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :],
-                                 mask=mask_n[:, None], other=0.0).to(tl.float32)
-                    kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :],
-                                 mask=mask_n[:, None], other=0.0).to(tl.float32)
+                    ks = meta_f32(tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :],
+                                 mask=mask_n[:, None], other=0.0), mk, META_FP8)
+                    kz = meta_f32(tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :],
+                                 mask=mask_n[:, None], other=0.0), mk, META_FP8)
                     s = dot_nt(q0, ((kc & 3).to(tl.float32) * ks + kz).to(QK_T), True)
                     s += dot_nt(q1, (((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T), True)
                     s += dot_nt(q2, (((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T), True)
@@ -394,10 +404,10 @@ def _decode_int2_kernel(
                     acc2 += tl.dot(ps, v2) + pz[:, None]
                     acc3 += tl.dot(ps, v3) + pz[:, None]
                 else:
-                    vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :],
-                                 mask=mask_n[:, None], other=0.0).to(tl.float32)
-                    vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :],
-                                 mask=mask_n[:, None], other=0.0).to(tl.float32)
+                    vs = meta_f32(tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :],
+                                 mask=mask_n[:, None], other=0.0), mv, META_FP8)
+                    vz = meta_f32(tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :],
+                                 mask=mask_n[:, None], other=0.0), mv, META_FP8)
                     pp = p.to(PV_T)
                     acc0 += tl.dot(pp, ((vc & 3).to(tl.float32) * vs + vz).to(PV_T))
                     acc1 += tl.dot(pp, (((vc >> 2) & 3).to(tl.float32) * vs + vz).to(PV_T))
@@ -440,7 +450,8 @@ def launch_rows(q_rot, cache, index, part_o, part_lse, num_exact, *, block_h: in
         GQA=hq // cache.kv_heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_N=block_n, BLOCK_NB=block_nb,
         MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
         BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
-        PER_SEQ_EXACT=index.num_exact is not None, num_warps=num_warps, num_stages=num_stages, **cap,
+        PER_SEQ_EXACT=index.num_exact is not None, META_FP8=cache.fp8, num_warps=num_warps, num_stages=num_stages,
+        **cap,
     )
 
 
@@ -455,6 +466,6 @@ def launch_general(q_rot, cache, index, part_o, part_lse, num_exact, *, block_h:
         GQA=hq // cache.kv_heads, BLOCK_H=block_h, HEAD_DIM=d, GROUP_SIZE=cache.group_size,
         BLOCK_N=block_n, BLOCK_NB=block_nb,
         QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
-        PTX_UNPACK=ptx_unpack, PER_SEQ_EXACT=index.num_exact is not None,
+        PTX_UNPACK=ptx_unpack, PER_SEQ_EXACT=index.num_exact is not None, META_FP8=cache.fp8,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -52,8 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_common import dot_nt, exact_tile, softmax_step
-from .layout import LayerCache, check_index, check_query, check_seq, dequantize_ref, gpu_codegen, interpreting
+from .decode_common import dot_nt, exact_tile, head_mults, meta_f32, softmax_step
+from .layout import LayerCache, check_index, check_query, check_seq, gpu_codegen, interpreting
 
 DEFAULT_BLOCK_M = 64
 """Rows of the M dimension per program: ``BLOCK_T = DEFAULT_BLOCK_M / GQA_P`` tokens times the padded GQA group
@@ -177,7 +177,7 @@ def _exact_use(pos, mask_n, sink_end, t_win):
 @triton.jit
 def _extend_int2_kernel(
     Q, K_NEW, V_NEW, QO_INDPTR, Q_POS0, START,
-    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
+    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, MULT_K, MULT_V,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES, BF16_POS,
     OUT,
@@ -189,6 +189,7 @@ def _extend_int2_kernel(
     stride_on, stride_oh,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QK_T: tl.constexpr, PV_T: tl.constexpr,
+    META_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -221,6 +222,7 @@ def _extend_int2_kernel(
         kv_start = tl.load(KV_INDPTR + b)
         kv_len = tl.load(KV_INDPTR + b + 1) - kv_start
         n_int2 = _int2_extent(pos0, i1, sink_end, recent, kv_len)  # later tiles: no row uses them
+        mk, mv = head_mults(MULT_K, MULT_V, kvh, META_FP8)
         for e0 in range(0, n_int2, BLOCK_N):
             offs_n = e0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < n_int2
@@ -229,8 +231,8 @@ def _extend_int2_kernel(
             kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
             ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :], mask=mn, other=0.0)
             kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :], mask=mn, other=0.0)
-            ks = ks.to(tl.float32)
-            kz = kz.to(tl.float32)
+            ks = meta_f32(ks, mk, META_FP8)
+            kz = meta_f32(kz, mk, META_FP8)
             s = dot_nt(q0, ((kc & 3).to(tl.float32) * ks + kz).to(QK_T), False)
             s += dot_nt(q1, (((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T), False)
             s += dot_nt(q2, (((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T), False)
@@ -239,8 +241,8 @@ def _extend_int2_kernel(
             vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
             vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :], mask=mn, other=0.0)
             vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :], mask=mn, other=0.0)
-            vs = vs.to(tl.float32)
-            vz = vz.to(tl.float32)
+            vs = meta_f32(vs, mv, META_FP8)
+            vz = meta_f32(vz, mv, META_FP8)
             m_i, l_i, acc0, acc1, acc2, acc3 = softmax_step(
                 s, m_i, l_i, acc0, acc1, acc2, acc3,
                 (vc & 3).to(tl.float32) * vs + vz, ((vc >> 2) & 3).to(tl.float32) * vs + vz,
@@ -372,7 +374,7 @@ def extend_int2(
     k, v = cache.k, cache.v
     _extend_int2_kernel[grid](
         qr, kr, vr, index.qo_indptr, index.q_pos0, index.start,
-        k.codes, k.scale, k.zero, v.codes, v.scale, v.zero,
+        k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, *cache.mults,
         cache.k_bf16, cache.v_bf16,
         index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices, index.bf16_pos,
         o_rot,
@@ -384,7 +386,7 @@ def extend_int2(
         o_rot.stride(0), o_rot.stride(1),
         GQA=gqa, BLOCK_H=block_h, BLOCK_T=block_t, HEAD_DIM=d, GROUP_SIZE=g, BLOCK_N=block_n,
         QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        META_FP8=cache.fp8, num_warps=num_warps, num_stages=num_stages,
     )
     # back to the original basis: o = o' @ R_V^T (per KV head of each query head)
     out.copy_(_rotate(o_rot, cache.rot_v.transpose(1, 2), hq))
@@ -402,7 +404,6 @@ def extend_int2_ref(
     n, hq, d = q.shape
     hkv = cache.kv_heads
     gqa = hq // hkv
-    g = cache.group_size
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     rk = cache.rot_k.float().expand(hkv, d, d)
     rv = cache.rot_v.float().expand(hkv, d, d)
@@ -420,10 +421,8 @@ def extend_int2_ref(
             vn = torch.einsum("nhd,hde->nhe", vn, rv).to(torch.bfloat16).float()
         sl = index.kv_indices[index.kv_indptr[b]:index.kv_indptr[b + 1]].long()
         sb = index.bf16_indices[index.bf16_indptr[b]:index.bf16_indptr[b + 1]].long()
-        k = torch.cat([dequantize_ref(cache.k.codes[sl], cache.k.scale[sl], cache.k.zero[sl], g),
-                       cache.k_bf16[sb].float(), kn])
-        v = torch.cat([dequantize_ref(cache.v.codes[sl], cache.v.scale[sl], cache.v.zero[sl], g),
-                       cache.v_bf16[sb].float(), vn])
+        k = torch.cat([cache.k.dequantize(sl), cache.k_bf16[sb].float(), kn])
+        v = torch.cat([cache.v.dequantize(sl), cache.v_bf16[sb].float(), vn])
         m = q1 - q0
         t = torch.arange(pos0, pos0 + m, device=q.device)[:, None]  # query positions
         j_int2 = (sink_end + torch.arange(sl.numel(), device=q.device))[None, :]
@@ -464,13 +463,13 @@ DEQ_STAGES = 3
 @triton.jit
 def _dequant_list_kernel(
     KV_INDPTR, KV_INDICES,
-    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO,
+    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, MULT_K, MULT_V,
     K_OUT, V_OUT,
     batch, head0,
     stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh,
     stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh,
     stride_oh, stride_on,
-    HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_E: tl.constexpr, META_FP8: tl.constexpr,
 ):
     """Element ``e`` of the batch's INT2 list (all sequences back to back) -> row ``e`` of the scratch, head
     ``head0 + program_id(1)``, in the natural rotated element order: K ``code*s + z`` rounded to fp16 (the QK dot's
@@ -489,22 +488,25 @@ def _dequant_list_kernel(
         me = (e < n)[:, None]
         slot = tl.load(KV_INDICES + e, mask=e < n, other=0).to(tl.int64)
         row = hl * stride_oh + e.to(tl.int64)[:, None] * stride_on + col0[None, :]
+        mk, mv = head_mults(MULT_K, MULT_V, kvh, META_FP8)
         _dequant_rows(K_CODES, K_SCALE, K_ZERO, K_OUT, slot, kvh, row, me, offs_m, gidx,
-                      stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh, BQ)
+                      stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh, mk, BQ, META_FP8)
         _dequant_rows(V_CODES, V_SCALE, V_ZERO, V_OUT, slot, kvh, row, me, offs_m, gidx,
-                      stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh, BQ)
+                      stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh, mv, BQ, META_FP8)
 
 
 @triton.jit
 def _dequant_rows(CODES, SCALE, ZERO, OUT, slot, kvh, row, me, offs_m, gidx,
-                  stride_cs, stride_ch, stride_ss, stride_sh, stride_zs, stride_zh, BQ: tl.constexpr):
+                  stride_cs, stride_ch, stride_ss, stride_sh, stride_zs, stride_zh, m, BQ: tl.constexpr,
+                  META_FP8: tl.constexpr):
     """Slots ``slot`` of one pool (K or V), head ``kvh`` -> ``OUT`` rows ``row`` (element offsets of bit plane 0;
-    plane ``j`` at ``+ j * BQ``): ``code * s + z`` in fp32, rounded to ``OUT``'s type."""
+    plane ``j`` at ``+ j * BQ``): ``code * s + z`` in fp32, rounded to ``OUT``'s type (FP8 metadata times the head's
+    multiplier ``m``)."""
     c = tl.load(CODES + slot[:, None] * stride_cs + kvh * stride_ch + offs_m[None, :], mask=me, other=0)
     sc = tl.load(SCALE + slot[:, None] * stride_ss + kvh * stride_sh + gidx[None, :], mask=me, other=0.0)
     z = tl.load(ZERO + slot[:, None] * stride_zs + kvh * stride_zh + gidx[None, :], mask=me, other=0.0)
-    sc = sc.to(tl.float32)
-    z = z.to(tl.float32)
+    sc = meta_f32(sc, m, META_FP8)
+    z = meta_f32(z, m, META_FP8)
     for j in tl.static_range(4):
         x = ((c >> (2 * j)) & 3).to(tl.float32) * sc + z
         tl.store(OUT + row + j * BQ, x.to(OUT.dtype.element_ty), mask=me)
@@ -694,14 +696,14 @@ def extend_int2_dequant(
         if int2_tokens:
             _dequant_list_kernel[(triton.cdiv(int2_tokens, DEQUANT_BLOCK_E), heads)](
                 index.kv_indptr, index.kv_indices,
-                k.codes, k.scale, k.zero, v.codes, v.scale, v.zero,
+                k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, *cache.mults,
                 sk, sv, bsz, h0,
                 k.codes.stride(0), k.codes.stride(1), k.scale.stride(0), k.scale.stride(1),
                 k.zero.stride(0), k.zero.stride(1),
                 v.codes.stride(0), v.codes.stride(1), v.scale.stride(0), v.scale.stride(1),
                 v.zero.stride(0), v.zero.stride(1),
                 sk.stride(0), sk.stride(1),
-                HEAD_DIM=d, GROUP_SIZE=cache.group_size, BLOCK_E=DEQUANT_BLOCK_E,
+                HEAD_DIM=d, GROUP_SIZE=cache.group_size, BLOCK_E=DEQUANT_BLOCK_E, META_FP8=cache.fp8,
             )
         _extend_deq_kernel[(bsz, heads, triton.cdiv(index.max_new_len, block_t))](
             qr, kr, vr, index.qo_indptr, index.q_pos0, index.start,

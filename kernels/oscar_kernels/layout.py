@@ -10,7 +10,14 @@ Per layer, for keys and for values separately (each in its own rotated basis: ``
 
 * ``codes``  uint8 ``[slots, Hkv, d/4]``   -- 2-bit codes, four per byte;
 * ``scale``  fp16  ``[slots, Hkv, d/g]``   -- one per group of ``g`` contiguous rotated elements;
-* ``zero``   fp16  ``[slots, Hkv, d/g]``.
+* ``zero``   fp16  ``[slots, Hkv, d/g]``;
+
+or, with FP8 metadata (``QuantScheme.scale_dtype = "fp8"``), ``scale`` and ``zero`` float8 e4m3 of the same shape
+holding ``scale / m`` and ``zero / m``, with ``mult`` fp32 ``[Hkv]`` the power-of-two multiplier ``m`` of each KV
+head (fitted from calibration rows, held by the artifact): one byte per group instead of two for each of scale and
+zero. Stored values are rounded to nearest even on e4m3's grid, clamped to ``[FP8_MIN_STEP, 448]`` (scale) and
+``[-448, 448]`` (zero); dequantisation reads ``float(scale) * m`` and ``float(zero) * m``, which the kernels take
+through fp16 exactly (an e4m3 value times a power of two is an fp16 number in any range a model produces).
 
 The kernels take any strides with a contiguous last dimension. :class:`Int2Pool` stores each pool head-major,
 ``[Hkv, slots, ...]`` in memory and handed out as a ``[slots, Hkv, ...]`` view, so one KV head's scales and codes of
@@ -54,6 +61,11 @@ CODES_PER_BYTE = 8 // KERNEL_BITS
 """2-bit codes: four per byte."""
 SCALE_EPS = 1e-5
 """Smallest stored scale: keeps constant groups finite (fp16 holds it as a normal number)."""
+FP8_MAX = 448.0
+"""Largest finite float8 e4m3 magnitude: FP8 scales and zeros saturate there."""
+FP8_MIN_STEP = 2.0 ** -9
+"""Smallest positive float8 e4m3 number: an FP8 scale never rounds below it (a zero scale would lose the group)."""
+FP8 = torch.float8_e4m3fn
 DEFAULT_CLIP_RATIO = 1.0
 """Plain min/max range; fitted recipes pass their per-layer, per-KV-head ratios (separate for K and V)."""
 
@@ -111,10 +123,21 @@ def unpack(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     return torch.stack(parts, dim=-2).flatten(-3)
 
 
-def dequantize_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    """2-bit rows: codes uint8 ``[..., d/4]``, scale/zero fp16 ``[..., d/g]`` -> fp32 ``[..., d]``."""
+def dequantize_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                   mult: torch.Tensor | None = None) -> torch.Tensor:
+    """2-bit rows: codes uint8 ``[..., Hkv, d/4]``, scale/zero fp16 ``[..., Hkv, d/g]`` -> fp32 ``[..., Hkv, d]``;
+    FP8 scale/zero with ``mult`` fp32 ``[Hkv]``, the per-head multiplier."""
     c = unpack(codes, KERNEL_BITS, group_size).float().unflatten(-1, (-1, group_size))
-    return (c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).flatten(-2)
+    s, z = scale.float(), zero.float()
+    if mult is not None:
+        s, z = s * mult.float()[:, None], z * mult.float()[:, None]
+    return (c * s.unsqueeze(-1) + z.unsqueeze(-1)).flatten(-2)
+
+
+def fp8_round_ref(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """fp32 ``x`` clamped to ``[lo, hi]`` and rounded to nearest even on float8 e4m3's grid (what the write kernel
+    stores as FP8 metadata), as float8 e4m3."""
+    return x.float().clamp(lo, hi).to(FP8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -131,7 +154,8 @@ def check_group_size(head_dim: int, group_size: int) -> None:
 
 
 def check_pool(name: str, pool: Int2Pool, kv_heads: int, head_dim: int) -> None:
-    """``pool`` holds uint8 codes ``[S, kv_heads, d/4]`` and fp16 scale/zero ``[S, kv_heads, d/g]``, last dims contiguous."""
+    """``pool`` holds uint8 codes ``[S, kv_heads, d/4]`` and fp16 scale/zero ``[S, kv_heads, d/g]`` (or float8 e4m3
+    with an fp32 ``[kv_heads]`` multiplier), last dims contiguous."""
     d, g = head_dim, pool.group_size
     check_group_size(d, g)
     codes = pool.codes
@@ -139,10 +163,15 @@ def check_pool(name: str, pool: Int2Pool, kv_heads: int, head_dim: int) -> None:
             or codes.stride(-1) != 1:
         raise ValueError(f"{name} codes must be uint8 [S, {kv_heads}, {d // 4}] with contiguous last dim, "
                          f"got {codes.dtype} {tuple(codes.shape)}")
+    meta = FP8 if pool.fp8 else torch.float16
     for what, t in (("scale", pool.scale), ("zero", pool.zero)):
-        if t.dtype != torch.float16 or t.shape != (codes.shape[0], kv_heads, d // g) or t.stride(-1) != 1:
-            raise ValueError(f"{name} {what} must be fp16 [{codes.shape[0]}, {kv_heads}, {d // g}] with contiguous "
-                             f"last dim, got {t.dtype} {tuple(t.shape)}")
+        if t.dtype != meta or t.shape != (codes.shape[0], kv_heads, d // g) or t.stride(-1) != 1:
+            raise ValueError(f"{name} {what} must be {str(meta).removeprefix('torch.')} [{codes.shape[0]}, {kv_heads}, "
+                             f"{d // g}] with contiguous last dim, got {t.dtype} {tuple(t.shape)}")
+    if pool.fp8 and (pool.mult.dtype != torch.float32 or pool.mult.shape != (kv_heads,)
+                     or pool.mult.device != codes.device):
+        raise ValueError(f"{name} multiplier must be fp32 [{kv_heads}] on {codes.device}, got {pool.mult.dtype} "
+                         f"{tuple(pool.mult.shape)} on {pool.mult.device}")
 
 
 def check_rot(name: str, rot: torch.Tensor, kv_heads: int, head_dim: int) -> None:
@@ -201,23 +230,33 @@ def check_seq(name: str, t: torch.Tensor, batch: int, dtypes=(torch.int32,)) -> 
 @dataclass(frozen=True)
 class Int2Pool:
     """One layer's INT2 slots for K or V. ``codes`` uint8 ``[S, Hkv, d/4]``; ``scale``/``zero`` fp16 ``[S, Hkv, d/g]``
-    (views of head-major storage when made by :meth:`empty`, see the module docstring)."""
+    (views of head-major storage when made by :meth:`empty`, see the module docstring); with ``mult`` (fp32
+    ``[Hkv]``, the per-head multiplier) they are float8 e4m3 instead (FP8 metadata)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     group_size: int
+    mult: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, slots: int, kv_heads: int, head_dim: int, group_size: int | None = None,
-              device: torch.device | str | None = None) -> Int2Pool:
-        """Allocate an uninitialised pool (slots are filled by ``quantize_pack``)."""
+              device: torch.device | str | None = None, mult: torch.Tensor | None = None) -> Int2Pool:
+        """Allocate an uninitialised pool (slots are filled by ``quantize_pack``); FP8 metadata with ``mult``."""
         g = group_size or head_dim
         check_group_size(head_dim, g)
         codes = torch.empty(kv_heads, slots, head_dim // CODES_PER_BYTE, dtype=torch.uint8, device=device)
-        scale = torch.empty(kv_heads, slots, head_dim // g, dtype=torch.float16, device=device)
+        scale = torch.empty(kv_heads, slots, head_dim // g, dtype=torch.float16 if mult is None else FP8,
+                            device=device)
         zero = torch.empty_like(scale)
-        return cls(codes.transpose(0, 1), scale.transpose(0, 1), zero.transpose(0, 1), g)
+        if mult is not None:
+            mult = mult.to(device=codes.device, dtype=torch.float32).contiguous()
+        return cls(codes.transpose(0, 1), scale.transpose(0, 1), zero.transpose(0, 1), g, mult)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether scale and zero are FP8 (float8 e4m3 times the per-head ``mult``)."""
+        return self.mult is not None
 
     @property
     def slots(self) -> int:
@@ -242,6 +281,17 @@ class Int2Pool:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+    def dequantize(self, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[n, Hkv, d]`` rows of ``slots`` (the definition the kernels follow)."""
+        return dequantize_ref(self.codes[slots], self.scale[slots], self.zero[slots], self.group_size, self.mult)
+
+    def scale_zero(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 scales and zeros ``[n, Hkv, d/g]`` of ``slots``, as dequantisation reads them."""
+        s, z = self.scale[slots].float(), self.zero[slots].float()
+        if self.fp8:
+            s, z = s * self.mult[:, None], z * self.mult[:, None]
+        return s, z
 
 
 def max_offset(*ts: torch.Tensor) -> int:
@@ -276,8 +326,8 @@ class LayerCache:
         hkv, d = self.k.kv_heads, self.k.head_dim
         check_pool("k", self.k, hkv, d)
         check_pool("v", self.v, hkv, d)
-        if self.v.slots != self.k.slots or self.v.group_size != self.k.group_size:
-            raise ValueError("k and v INT2 pools must have the same slots and group size")
+        if self.v.slots != self.k.slots or self.v.group_size != self.k.group_size or self.v.fp8 != self.k.fp8:
+            raise ValueError("k and v INT2 pools must have the same slots, group size and metadata dtype")
         check_bf16("k_bf16", self.k_bf16, hkv, d)
         check_bf16("v_bf16", self.v_bf16, hkv, d)
         if self.v_bf16.shape != self.k_bf16.shape:
@@ -298,6 +348,17 @@ class LayerCache:
     @property
     def group_size(self) -> int:
         return self.k.group_size
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the INT2 pools keep FP8 scales and zeros (each with its per-head multiplier)."""
+        return self.k.fp8
+
+    @property
+    def mults(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V per-head multipliers, the kernels' ``MULT_K`` / ``MULT_V`` (with fp16 metadata the clip
+        tensors stand in as valid pointers that are never read)."""
+        return (self.k.mult, self.v.mult) if self.fp8 else (self.clip_k, self.clip_v)
 
     @functools.cached_property
     def off64(self) -> bool:
@@ -344,5 +405,4 @@ def cached_rows_ref(pool: Int2Pool, bf16: torch.Tensor, kv_indptr: torch.Tensor,
     then its exact rows (the order the kernels' references attend in)."""
     sl = kv_indices[kv_indptr[b]:kv_indptr[b + 1]].long()
     sb = bf16_indices[bf16_indptr[b]:bf16_indptr[b + 1]].long()
-    return torch.cat([dequantize_ref(pool.codes[sl], pool.scale[sl], pool.zero[sl], pool.group_size),
-                      bf16[sb].float()])
+    return torch.cat([pool.dequantize(sl), bf16[sb].float()])

@@ -7,7 +7,8 @@ Per layer (a :class:`~oscar_kernels.layout.LayerCache`):
 * Exact regions ``k_bf16`` / ``v_bf16`` bf16 ``[max_requests * (sink + recent), Hkv, d]``: request ``r`` owns rows
   ``[r * (sink + recent), (r + 1) * (sink + recent))``, its sinks then a ring of its last ``recent`` positions, rows
   rotated already (:func:`~oscar_kernels.layout.exact_row_ref` is the map).
-* The layer's rotations ``rot_k``/``rot_v`` fp32 ``[h, d, d]`` and clip ratios ``clip_k``/``clip_v`` fp32 ``[Hkv]``.
+* The layer's rotations ``rot_k``/``rot_v`` fp32 ``[h, d, d]`` and clip ratios ``clip_k``/``clip_v`` fp32 ``[Hkv]``;
+  with FP8 metadata (``scheme.scale_dtype == "fp8"``) the per-head multipliers ``mult_k``/``mult_v`` fp32 ``[Hkv]``.
 
 Storage is allocated uninitialised; the plans only ever read rows that a write produced. The SGLang plugin and the
 transformers cache build on this class; under tensor parallelism the caller passes only its rank's KV heads.
@@ -36,6 +37,19 @@ def _clips(clip, num_layers: int, kv_heads: int, device) -> torch.Tensor:
     return c.to(device).expand(num_layers, kv_heads).contiguous()
 
 
+def _mults(mult, name: str, num_layers: int, kv_heads: int, device) -> torch.Tensor:
+    """``[L, Hkv]`` positive powers of two (FP8 metadata multipliers) -> fp32 on ``device``, checked once here."""
+    if mult is None:
+        raise SchemeError(f"FP8 scales need the per-head multipliers {name} [{num_layers}, {kv_heads}] (the artifact's "
+                          f"{name}): refit, or use scale_dtype fp16")
+    m = torch.as_tensor(mult, dtype=torch.float32)
+    if m.shape != (num_layers, kv_heads):
+        raise ValueError(f"{name} must be [{num_layers}, {kv_heads}], got {tuple(m.shape)}")
+    if not bool((m > 0).all()) or not torch.equal(torch.exp2(torch.round(torch.log2(m))), m):
+        raise ValueError(f"{name} must hold positive powers of two")
+    return m.to(device).contiguous()
+
+
 def _rots(rot: torch.Tensor, name: str, num_layers: int, kv_heads: int, d: int, device) -> torch.Tensor:
     if rot.dim() != 4 or rot.shape[0] != num_layers or rot.shape[1] not in (1, kv_heads) or rot.shape[2:] != (d, d):
         raise ValueError(f"{name} must be [{num_layers}, 1 or {kv_heads}, {d}, {d}], got {tuple(rot.shape)}")
@@ -54,12 +68,14 @@ class Int2KVPool:
         rot_k, rot_v: fp32 ``[L, h, d, d]`` (``h = 1`` shared or ``kv_heads``).
         clip_k, clip_v: per-layer clip ratios ``[L, h]`` (or a float; default ``DEFAULT_CLIP_RATIO``), expanded to
             ``[L, Hkv]`` on the device.
+        mult_k, mult_v: FP8 metadata only (and then required): per-layer, per-KV-head power-of-two multipliers
+            ``[L, Hkv]`` (the artifact's; :mod:`oscar_kernels.layout` says how they scale the stored e4m3 values).
         device: where everything lives.
     """
 
     def __init__(self, scheme: QuantScheme, num_layers: int, kv_heads: int, head_dim: int, num_slots: int,
                  max_requests: int, rot_k: torch.Tensor, rot_v: torch.Tensor, clip_k=None, clip_v=None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, mult_k=None, mult_v=None):
         why = scheme.kernel_support(head_dim, torch.device(device).type if device is not None else None)
         if why is not None:
             raise SchemeError(f"scheme {scheme.describe()} cannot run in the kernels: {why}")
@@ -71,12 +87,15 @@ class Int2KVPool:
         rv = _rots(rot_v, "rot_v", num_layers, kv_heads, d, device)
         ck = _clips(clip_k, num_layers, kv_heads, device)
         cv = _clips(clip_v, num_layers, kv_heads, device)
+        fp8 = self.scheme.scale_dtype == "fp8"
+        mk = _mults(mult_k, "mult_k", num_layers, kv_heads, device) if fp8 else [None] * num_layers
+        mv = _mults(mult_v, "mult_v", num_layers, kv_heads, device) if fp8 else [None] * num_layers
         rows = max(self.rows_per_request * max_requests, 1)  # one row at least: kernels take a real pointer
         self._layers = []
         for i in range(num_layers):
             self._layers.append(LayerCache(
-                k=Int2Pool.empty(num_slots, kv_heads, d, g, device=device),
-                v=Int2Pool.empty(num_slots, kv_heads, d, g, device=device),
+                k=Int2Pool.empty(num_slots, kv_heads, d, g, device=device, mult=mk[i]),
+                v=Int2Pool.empty(num_slots, kv_heads, d, g, device=device, mult=mv[i]),
                 k_bf16=torch.empty(rows, kv_heads, d, dtype=torch.bfloat16, device=device),
                 v_bf16=torch.empty(rows, kv_heads, d, dtype=torch.bfloat16, device=device),
                 rot_k=rk[i], rot_v=rv[i], clip_k=ck[i], clip_v=cv[i],
@@ -137,8 +156,8 @@ class Int2KVPool:
         ko, vo = (c.k_bf16, c.v_bf16) if bf16_out is None else bf16_out
         if bf16_loc is None:
             ko = vo = None
-        quantize_pack_kv(k, v, c.rot_k, c.rot_v, c.clip_k, c.clip_v, (c.k.codes, c.k.scale, c.k.zero),
-                         (c.v.codes, c.v.scale, c.v.zero), loc, self.group_size,
+        quantize_pack_kv(k, v, c.rot_k, c.rot_v, c.clip_k, c.clip_v, (c.k.codes, c.k.scale, c.k.zero, c.k.mult),
+                         (c.v.codes, c.v.scale, c.v.zero, c.v.mult), loc, self.group_size,
                          bf16_out=None if ko is None else (ko, vo), bf16_loc=bf16_loc, q=q, q_out=q_out,
                          q_scale=q_scale, **tuning)
 
@@ -153,9 +172,11 @@ class Int2KVPool:
     # ------------------------------------------------------------------------------------------------ bytes
     @property
     def cell_bytes(self) -> int:
-        """INT2 bytes of one token slot over all layers, K and V: codes ``d/4`` + fp16 scale and zero per group."""
+        """INT2 bytes of one token slot over all layers, K and V: codes ``d/4`` + scale and zero per group (two
+        bytes each in fp16, one in FP8)."""
         d, g = self.head_dim, self.group_size
-        return self.num_layers * 2 * self.kv_heads * (d // 4 + 2 * 2 * (d // g))
+        meta = self.scheme.meta_bits // 8  # scale and zero of one group
+        return self.num_layers * 2 * self.kv_heads * (d // 4 + meta * (d // g))
 
     @property
     def exact_bytes(self) -> int:
@@ -168,5 +189,6 @@ class Int2KVPool:
         total = 0
         for c in self._layers:
             total += c.k.nbytes + c.v.nbytes
-            total += sum(t.numel() * t.element_size() for t in (c.k_bf16, c.v_bf16, c.rot_k, c.rot_v, c.clip_k, c.clip_v))
+            held = [c.k_bf16, c.v_bf16, c.rot_k, c.rot_v, c.clip_k, c.clip_v] + ([c.k.mult, c.v.mult] if c.fp8 else [])
+            total += sum(t.numel() * t.element_size() for t in held)
         return total

@@ -160,8 +160,6 @@ class QuantScheme:
         if self.mixed:
             return (f"the kernels implement {KERNEL_BITS}-bit codes in every layer, the scheme allocates 4-bit codes "
                     f"to some (bits_k/bits_v)")
-        if self.scale_dtype != "fp16":
-            return f"the kernels read fp16 scales and zeros, the scheme stores {self.scale_dtype}"
         if self.center_keys:
             return "the kernels store keys uncentered, the scheme centers them (center_keys)"
         if self.levels != "uniform":

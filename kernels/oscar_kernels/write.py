@@ -5,6 +5,8 @@ Math, per token ``n`` and KV head ``h`` (``x`` row of ``d`` elements, ``R`` = ``
 ``mid = (mx + mn) * 0.5``, ``half = (mx - mn) * 0.5 * r``, ``lo = mid - half``, ``hi = mid + half``,
 ``scale = fp16(max((hi - lo) / 3, SCALE_EPS))``, ``zero = fp16(lo)``,
 ``code = clamp(floor((x' - zero) / scale + 0.5), 0, 3)`` (division rounded to nearest, as torch does).
+With FP8 metadata (a per-head multiplier ``m = mult[h]``) the stored scale is ``e4m3(clamp(scale / m,
+FP8_MIN_STEP, 448))`` and the zero ``e4m3(clamp(lo / m, -448, 448))``, and the codes use ``float(stored) * m``.
 Optionally the rotated row itself, ``bf16(x')``, is stored as an exact row.
 
 Packed layout (see :mod:`oscar_kernels.layout`): slot ``t = out_cache_loc[n]``; codes row of
@@ -35,6 +37,9 @@ import triton.language as tl
 from .layout import (
     CODES_PER_BYTE,
     DEFAULT_CLIP_RATIO,
+    FP8,
+    FP8_MAX,
+    FP8_MIN_STEP,
     KERNEL_BITS,
     SCALE_EPS,
     check_bf16,
@@ -43,6 +48,8 @@ from .layout import (
     pack,
 )
 
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_FP8_MIN_STEP = tl.constexpr(FP8_MIN_STEP)
 LEVELS = (1 << KERNEL_BITS) - 1
 """Largest code (3 at 2 bits); the kernel gets it as ``MAX_CODE``."""
 DEFAULT_BLOCK_N = 64
@@ -175,9 +182,22 @@ def _rotate_q_rows(
 
 
 @triton.jit
+def _fp8_grid(v):
+    """fp32 ``v`` (``|v| <= 448``) rounded to nearest even on float8 e4m3's grid, still fp32 (so its conversion to
+    e4m3 is exact on every backend): the step of ``v``'s binade (``2**(e - 3)``, subnormals ``2**-9``) from the
+    exponent bits, then a round-to-nearest-even of ``|v| / step`` (at most 16) by the 1.5 * 2**23 addition; the
+    sign back on last."""
+    a = tl.abs(v)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((a / step + 12582912.0) - 12582912.0) * step
+    return tl.where(v < 0, -r, r)  # -0.0 for small negatives, as torch rounds them
+
+
+@triton.jit
 def _quantize_pack_rows(
     pid_n, h,
-    X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC,
+    X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC, MULT,
     n_tokens, clip_ratio, scale_eps,
     stride_xn, stride_xh, stride_xd,
     stride_rh, stride_rr, stride_rc,
@@ -188,9 +208,10 @@ def _quantize_pack_rows(
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
     ROT_FMA: tl.constexpr,
-    STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr,
+    STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr, META_FP8: tl.constexpr,
 ):
-    """Block ``pid_n`` of tokens, KV head ``h``, of one of K or V (the body of both kernels below)."""
+    """Block ``pid_n`` of tokens, KV head ``h``, of one of K or V (the body of both kernels below); FP8 metadata
+    (``META_FP8``) stores scale and zero over KV head ``h``'s multiplier ``MULT[h]``."""
     D4: tl.constexpr = HEAD_DIM // 4
     BQ: tl.constexpr = GROUP_SIZE // 4
     NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
@@ -232,10 +253,20 @@ def _quantize_pack_rows(
         lo = mid - half
         hi = mid + half
         TOP: tl.constexpr = MAX_CODE * 1.0
-        scale16 = tl.maximum(tl.math.div_rn(hi - lo, TOP), scale_eps).to(tl.float16)
-        zero16 = lo.to(tl.float16)
-        s = scale16.to(tl.float32)
-        z = zero16.to(tl.float32)
+        if META_FP8:
+            m = tl.load(MULT + h)
+            sq = _fp8_grid(tl.clamp(tl.math.div_rn(tl.maximum(tl.math.div_rn(hi - lo, TOP), scale_eps), m),
+                                    _FP8_MIN_STEP, _FP8_MAX))
+            zq = _fp8_grid(tl.clamp(tl.math.div_rn(lo, m), -_FP8_MAX, _FP8_MAX))
+            scale16 = sq.to(tl.float8e4nv)
+            zero16 = zq.to(tl.float8e4nv)
+            s = sq * m
+            z = zq * m
+        else:
+            scale16 = tl.maximum(tl.math.div_rn(hi - lo, TOP), scale_eps).to(tl.float16)
+            zero16 = lo.to(tl.float16)
+            s = scale16.to(tl.float32)
+            z = zero16.to(tl.float32)
         c0 = tl.clamp(tl.floor(tl.math.div_rn(y0 - z, s) + 0.5), 0.0, TOP).to(tl.uint8)
         c1 = tl.clamp(tl.floor(tl.math.div_rn(y1 - z, s) + 0.5), 0.0, TOP).to(tl.uint8)
         c2 = tl.clamp(tl.floor(tl.math.div_rn(y2 - z, s) + 0.5), 0.0, TOP).to(tl.uint8)
@@ -254,7 +285,7 @@ def _quantize_pack_rows(
 
 @triton.jit
 def _quantize_pack_kv_kernel(
-    K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC, K_BF16, K_BLOC,
+    K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC, K_BF16, K_BLOC, K_MULT,
     K_n_tokens, K_clip_ratio, K_scale_eps,
     K_stride_xn, K_stride_xh, K_stride_xd,
     K_stride_rh, K_stride_rr, K_stride_rc,
@@ -262,7 +293,7 @@ def _quantize_pack_kv_kernel(
     K_stride_ss, K_stride_sh,
     K_stride_zs, K_stride_zh,
     K_stride_bs, K_stride_bh,
-    V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC, V_BF16, V_BLOC,
+    V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC, V_BF16, V_BLOC, V_MULT,
     V_n_tokens, V_clip_ratio, V_scale_eps,
     V_stride_xn, V_stride_xh, V_stride_xd,
     V_stride_rh, V_stride_rr, V_stride_rc,
@@ -276,7 +307,8 @@ def _quantize_pack_kv_kernel(
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
     ROT_FMA: tl.constexpr,
-    STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr, KV_PROGRAMS: tl.constexpr,
+    STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr, META_FP8: tl.constexpr,
+    KV_PROGRAMS: tl.constexpr,
     ROTATE_Q: tl.constexpr, GQA: tl.constexpr,
 ):
     """K and V of the same tokens in one launch: ``program_id(2)`` 0 writes K, 1 writes V (the two are independent,
@@ -286,20 +318,22 @@ def _quantize_pack_kv_kernel(
     ``K_ROT[h]`` into ``Q_OUT``."""
     if tl.program_id(2) == 0:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC,
-                            K_BF16, K_BLOC, K_n_tokens, K_clip_ratio, K_scale_eps, K_stride_xn, K_stride_xh,
+                            K_BF16, K_BLOC, K_MULT, K_n_tokens, K_clip_ratio, K_scale_eps, K_stride_xn, K_stride_xh,
                             K_stride_xd, K_stride_rh, K_stride_rr, K_stride_rc, K_stride_cs, K_stride_ch, K_stride_ss,
                             K_stride_sh, K_stride_zs, K_stride_zh, K_stride_bs, K_stride_bh,
                             HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
                             ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
-                            ROT_FMA=ROT_FMA, STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
+                            ROT_FMA=ROT_FMA, STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE,
+                            META_FP8=META_FP8)
     elif tl.program_id(2) < KV_PROGRAMS:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC,
-                            V_BF16, V_BLOC, V_n_tokens, V_clip_ratio, V_scale_eps, V_stride_xn, V_stride_xh,
+                            V_BF16, V_BLOC, V_MULT, V_n_tokens, V_clip_ratio, V_scale_eps, V_stride_xn, V_stride_xh,
                             V_stride_xd, V_stride_rh, V_stride_rr, V_stride_rc, V_stride_cs, V_stride_ch, V_stride_ss,
                             V_stride_sh, V_stride_zs, V_stride_zh, V_stride_bs, V_stride_bh,
                             HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
                             ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
-                            ROT_FMA=ROT_FMA, STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE)
+                            ROT_FMA=ROT_FMA, STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE,
+                            META_FP8=META_FP8)
     elif ROTATE_Q:  # a static branch: the query programs are compiled only when there are queries
         _rotate_q_rows(tl.program_id(0), tl.program_id(1), tl.program_id(2) - KV_PROGRAMS, Q_X, K_ROT, Q_OUT,
                        K_n_tokens, q_scale, Q_stride_xn, Q_stride_xh, Q_stride_xd, K_stride_rh, K_stride_rr,
@@ -318,7 +352,7 @@ def _check_clip(clip: float | torch.Tensor | None, hkv: int) -> float | torch.Te
     return float(clip)
 
 
-def _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc):
+def _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult=None):
     """Shared by the kernel launcher and the reference: returns ``(g, clip)``."""
     n, hkv, d = x.shape
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -337,9 +371,14 @@ def _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf1
         if codes.dtype != torch.uint8 or codes.shape[1:] != (hkv, d // CODES_PER_BYTE) or codes.stride(-1) != 1:
             raise ValueError(f"codes must be uint8 [S, {hkv}, {d // 4}] with contiguous last dim, "
                              f"got {codes.dtype} {tuple(codes.shape)}")
+        meta = torch.float16 if mult is None else FP8
         for name, t in (("scale", scale), ("zero", zero)):
-            if t.dtype != torch.float16 or t.shape != (codes.shape[0], hkv, d // g) or t.stride(-1) != 1:
-                raise ValueError(f"{name} must be fp16 [{codes.shape[0]}, {hkv}, {d // g}] with contiguous last dim")
+            if t.dtype != meta or t.shape != (codes.shape[0], hkv, d // g) or t.stride(-1) != 1:
+                raise ValueError(f"{name} must be {str(meta).removeprefix('torch.')} [{codes.shape[0]}, {hkv}, "
+                                 f"{d // g}] with contiguous last dim (FP8 with a multiplier), got {t.dtype}")
+        if mult is not None and (mult.dtype != torch.float32 or mult.shape != (hkv,) or mult.device != codes.device):
+            raise ValueError(f"mult must be an fp32 [{hkv}] tensor on {codes.device}, got {mult.dtype} "
+                             f"{tuple(mult.shape)} on {mult.device}")
         if out_cache_loc is None or out_cache_loc.shape != (n,) or out_cache_loc.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"out_cache_loc must be int32/int64 [{n}]")
     if (bf16_out is None) != (bf16_loc is None):
@@ -369,6 +408,7 @@ def quantize_pack(
     rot_precision: str = DEFAULT_ROT_PRECISION,
     num_warps: int = DEFAULT_WARPS,
     rot_rows: int = DEFAULT_ROT_ROWS,
+    mult: torch.Tensor | None = None,
 ) -> None:
     """Quantize new rows into their slots (and optionally store their rotated exact rows), in place, one launch.
 
@@ -379,7 +419,7 @@ def quantize_pack(
             the kernel; its values are not checked, which would need a host sync); ``None``: ``DEFAULT_CLIP_RATIO``.
         codes: uint8 ``[S, Hkv, d/4]`` slot pool, written at rows ``out_cache_loc`` (last dim contiguous);
             ``None`` (with scale/zero) skips the INT2 store.
-        scale, zero: fp16 ``[S, Hkv, d/g]`` slot pools (last dim contiguous).
+        scale, zero: fp16 ``[S, Hkv, d/g]`` slot pools (last dim contiguous); float8 e4m3 with ``mult``.
         out_cache_loc: int32/int64 ``[N]`` slot of each new token (distinct slots); unused without ``codes``.
         group_size: ``g`` (default: ``d / scale.shape[-1]``, or ``d`` without codes).
         bf16_out: optional bf16 ``[R, Hkv, d]`` exact rows: row ``bf16_loc[n]`` gets ``bf16(x'[n])``.
@@ -394,9 +434,11 @@ def quantize_pack(
         rot_rows: ``"fma"`` only: rows of ``rot`` multiplied per step (a power of two, ``DEFAULT_ROT_ROWS``; ``d``
             and more: all of them, every load of the rotation in flight at once; 0: :func:`fma_rot_rows`, all of
             them where that holds at most ``ROT_ELEMS_PER_THREAD`` per thread).
+        mult: FP8 metadata: fp32 ``[Hkv]`` per-head multiplier (scale and zero stored as e4m3 of ``value / mult``,
+            see :mod:`oscar_kernels.layout`); None: fp16 metadata.
     """
     args, meta = _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
-                              rot_precision, rot_rows, num_warps)
+                              rot_precision, rot_rows, num_warps, mult)
     _launch(x.shape, args, args, meta, block_n, num_warps)
 
 
@@ -432,9 +474,10 @@ def _q_args(q: torch.Tensor, q_out: torch.Tensor, q_scale: float, k: torch.Tenso
 
 
 def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
-                 rot_precision, rot_rows: int = DEFAULT_ROT_ROWS, num_warps: int = DEFAULT_WARPS) -> tuple[list, dict]:
+                 rot_precision, rot_rows: int = DEFAULT_ROT_ROWS, num_warps: int = DEFAULT_WARPS,
+                 mult: torch.Tensor | None = None) -> tuple[list, dict]:
     """Checked arguments of one K or V write: (pointer/scalar/stride list, compile-time parameters)."""
-    g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc)
+    g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult)
     n, hkv, d = x.shape
     if codes is None:
         check_group_size(d, g)
@@ -444,8 +487,9 @@ def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf
     store_codes, store_bf16 = codes is not None, bf16_out is not None
     c_t, s_t, z_t, l_t = (codes, scale, zero, out_cache_loc) if store_codes else (x, x, x, x)
     b_t, bl_t = (bf16_out, bf16_loc) if store_bf16 else (x, x)
+    fp8 = store_codes and mult is not None
     args = [
-        x, rot_t, clip if per_head else x, c_t, s_t, z_t, l_t, b_t, bl_t,
+        x, rot_t, clip if per_head else x, c_t, s_t, z_t, l_t, b_t, bl_t, mult if fp8 else x,
         n, DEFAULT_CLIP_RATIO if per_head else clip, SCALE_EPS,
         *x.stride(), *rot_strides,
         *(c_t.stride()[:2] if store_codes else (0, 0)), *(s_t.stride()[:2] if store_codes else (0, 0)),
@@ -459,7 +503,7 @@ def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf
     meta = dict(HEAD_DIM=d, GROUP_SIZE=g, ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1,
                 CLIP_PER_HEAD=per_head, PRECISION="ieee" if fma else rot_precision,
                 ROT_FMA=(rot_rows or fma_rot_rows(d, num_warps)) if fma else 0,
-                STORE_CODES=store_codes, STORE_BF16=store_bf16, MAX_CODE=LEVELS)
+                STORE_CODES=store_codes, STORE_BF16=store_bf16, MAX_CODE=LEVELS, META_FP8=fp8)
     return args, meta
 
 
@@ -486,7 +530,8 @@ def quantize_pack_kv(
 ) -> None:
     """:func:`quantize_pack` of the K and the V rows of the same tokens in one launch (grid ``[blocks, Hkv, 2]``).
 
-    ``k_slots``/``v_slots``: ``(codes, scale, zero)`` of each (or ``None`` for exact rows only), ``bf16_out``:
+    ``k_slots``/``v_slots``: ``(codes, scale, zero)`` of each, ``(codes, scale, zero, mult)`` with FP8 metadata (or
+    ``None`` for exact rows only), ``bf16_out``:
     ``(k_rows, v_rows)``; the rest as :func:`quantize_pack`, per K and V where named so. Results equal two
     :func:`quantize_pack` calls. When K and V differ in what the kernel is compiled for (one rotated and the other
     not, per-head clips for one only, ...), it makes those two launches instead.
@@ -499,16 +544,26 @@ def quantize_pack_kv(
     if v.shape != k.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     ko, vo = bf16_out if bf16_out is not None else (None, None)
-    ka, km = _launch_args(k, rot_k, clip_k, *(k_slots or (None, None, None)), out_cache_loc, group_size, ko, bf16_loc,
-                          rot_precision, rot_rows, num_warps)
-    va, vm = _launch_args(v, rot_v, clip_v, *(v_slots or (None, None, None)), out_cache_loc, group_size, vo, bf16_loc,
-                          rot_precision, rot_rows, num_warps)
+    (kc, ks, kz, kmult), (vc, vs, vz, vmult) = (_slots(k_slots), _slots(v_slots))
+    ka, km = _launch_args(k, rot_k, clip_k, kc, ks, kz, out_cache_loc, group_size, ko, bf16_loc,
+                          rot_precision, rot_rows, num_warps, kmult)
+    va, vm = _launch_args(v, rot_v, clip_v, vc, vs, vz, out_cache_loc, group_size, vo, bf16_loc,
+                          rot_precision, rot_rows, num_warps, vmult)
     qa, gqa = _q_args(q, q_out, q_scale, k, rot_k) if q is not None else (None, 1)
     if km == vm:
         _launch(k.shape, ka, va, km, block_n, num_warps, qa, gqa)
     else:
         _launch(k.shape, ka, ka, km, block_n, num_warps, qa, gqa)
         _launch(k.shape, va, va, vm, block_n, num_warps)
+
+
+def _slots(slots) -> tuple:
+    """``None`` / ``(codes, scale, zero)`` / ``(codes, scale, zero, mult)`` -> a 4-tuple."""
+    if slots is None:
+        return None, None, None, None
+    if len(slots) not in (3, 4):
+        raise ValueError(f"slots must be (codes, scale, zero) or (codes, scale, zero, mult), got {len(slots)} items")
+    return (*slots, None) if len(slots) == 3 else tuple(slots)
 
 
 def rotate_q_ref(q: torch.Tensor, rot_k: torch.Tensor, q_scale: float = 1.0) -> torch.Tensor:
@@ -531,9 +586,10 @@ def quantize_pack_ref(
     group_size: int | None = None,
     bf16_out: torch.Tensor | None = None,
     bf16_loc: torch.Tensor | None = None,
+    mult: torch.Tensor | None = None,
 ) -> None:
     """Plain fp32 torch definition of :func:`quantize_pack` (same arguments, same in-place writes)."""
-    g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc)
+    g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult)
     n, hkv, d = x.shape
     xr = x.float()
     if rot is not None:
@@ -549,9 +605,16 @@ def quantize_pack_ref(
     mid = (mx + mn) * 0.5
     half = (mx - mn) * 0.5 * r
     lo, hi = mid - half, mid + half
-    s16 = ((hi - lo) / LEVELS).clamp_min(SCALE_EPS).to(torch.float16)
-    z16 = lo.to(torch.float16)
-    c = torch.floor((xg - z16.float().unsqueeze(-1)) / s16.float().unsqueeze(-1) + 0.5).clamp_(0, LEVELS)
+    s16 = ((hi - lo) / LEVELS).clamp_min(SCALE_EPS)
+    if mult is None:
+        s16, z16 = s16.to(torch.float16), lo.to(torch.float16)
+        sf, zf = s16.float(), z16.float()
+    else:
+        m = mult.float().to(x.device).view(1, hkv, 1)
+        s16 = (s16 / m).clamp(FP8_MIN_STEP, FP8_MAX).to(FP8)
+        z16 = (lo / m).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        sf, zf = s16.float() * m, z16.float() * m
+    c = torch.floor((xg - zf.unsqueeze(-1)) / sf.unsqueeze(-1) + 0.5).clamp_(0, LEVELS)
     packed = pack(c.flatten(-2).to(torch.uint8), KERNEL_BITS, g)
     loc = out_cache_loc.long()
     codes[loc] = packed.to(codes.device)

@@ -50,12 +50,16 @@ def poison_kv_pool(pool, gen: torch.Generator) -> None:
         c.v_bf16.fill_(float("nan"))
 
 
-def poisoned_pool(slots: int, hkv: int, d: int, g: int, gen: torch.Generator, head_major: bool = True) -> Int2Pool:
-    """Random codes, NaN scales/zeros: a slot nobody wrote poisons any attention that reads it."""
-    pool = Int2Pool.empty(slots, hkv, d, g, device=DEVICE) if head_major else Int2Pool(
+def poisoned_pool(slots: int, hkv: int, d: int, g: int, gen: torch.Generator, head_major: bool = True,
+                  mult: torch.Tensor | None = None) -> Int2Pool:
+    """Random codes, NaN scales/zeros: a slot nobody wrote poisons any attention that reads it. FP8 metadata with
+    ``mult`` (fp32 ``[hkv]``)."""
+    meta = torch.float16 if mult is None else torch.float8_e4m3fn
+    pool = Int2Pool.empty(slots, hkv, d, g, device=DEVICE, mult=mult) if head_major else Int2Pool(
         torch.empty(slots, hkv, d // 4, dtype=torch.uint8, device=DEVICE),
-        torch.empty(slots, hkv, d // g, dtype=torch.float16, device=DEVICE),
-        torch.empty(slots, hkv, d // g, dtype=torch.float16, device=DEVICE), g)
+        torch.empty(slots, hkv, d // g, dtype=meta, device=DEVICE),
+        torch.empty(slots, hkv, d // g, dtype=meta, device=DEVICE), g,
+        None if mult is None else mult.to(DEVICE))
     pool.codes.copy_(torch.randint(0, 256, (slots, hkv, d // 4), generator=gen, dtype=torch.uint8))
     pool.scale.fill_(float("nan"))
     pool.zero.fill_(float("nan"))
@@ -79,11 +83,19 @@ class Lists:
                            torch.tensor(ns, dtype=torch.int32, device=DEVICE), max_splits or max(ns), exact_splits)
 
 
+def fp8_mults(hkv: int, gen: torch.Generator) -> torch.Tensor:
+    """Per-head FP8 multipliers of different binades (2**-7 .. 2**-3 for unit-scale rows): heads whose e4m3 values
+    sit in different parts of the format's range."""
+    return torch.exp2(-torch.randint(3, 8, (hkv,), generator=gen).float())
+
+
 def make_cache(int2_lens: list[int], bf16_lens: list[int], hkv: int, d: int, g: int, gen: torch.Generator,
-               shared_rot: bool = False, clip_k: float = 0.9, clip_v: float = 1.0, head_major: bool = True) -> Lists:
+               shared_rot: bool = False, clip_k: float = 0.9, clip_v: float = 1.0, head_major: bool = True,
+               fp8: bool = False) -> Lists:
     """Quantise random K/V (with a few outlier channels) into scattered slots; free slots hold NaN scales/rows.
 
-    INT2 pools are head-major (``Int2Pool``'s layout) unless ``head_major=False`` (plain contiguous [S, Hkv, ...])."""
+    INT2 pools are head-major (``Int2Pool``'s layout) unless ``head_major=False`` (plain contiguous [S, Hkv, ...]);
+    ``fp8``: FP8 scales and zeros with per-head multipliers (:func:`fp8_mults`)."""
     n_rot = 1 if shared_rot else hkv
     rot_k, rot_v = random_rotation(n_rot, d, gen), random_rotation(n_rot, d, gen)
     nnz, nnz_b = sum(int2_lens), sum(bf16_lens)
@@ -94,8 +106,8 @@ def make_cache(int2_lens: list[int], bf16_lens: list[int], hkv: int, d: int, g: 
     pools = []
     for rot, clip in ((rot_k, clip_k), (rot_v, clip_v)):
         x = (torch.randn(nnz, hkv, d, generator=gen) * outlier).to(DEVICE)
-        pool = poisoned_pool(slots, hkv, d, g, gen, head_major)
-        quantize_pack_ref(x, rot, clip, pool.codes, pool.scale, pool.zero, kv_indices, g)
+        pool = poisoned_pool(slots, hkv, d, g, gen, head_major, fp8_mults(hkv, gen) if fp8 else None)
+        quantize_pack_ref(x, rot, clip, pool.codes, pool.scale, pool.zero, kv_indices, g, mult=pool.mult)
         pools.append(pool)
     k_bf16 = torch.full((slots_b, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     v_bf16 = torch.full_like(k_bf16, float("nan"))
@@ -175,13 +187,14 @@ class ExtendCase:
 
 
 def extend_case(seqs: list[tuple[int, int, int]], sink: int, recent: int, hkv: int, gqa: int, d: int, g: int,
-                gen: torch.Generator, unused_tail: int = 0) -> ExtendCase:
+                gen: torch.Generator, unused_tail: int = 0, fp8: bool = False) -> ExtendCase:
     """Hand-built extend lists (no plan) for sequences ``(start, c0, m)``: a chunk of ``m`` tokens after ``c0`` cached
     ones, Design P lists (INT2 slots of ``[sink_end, c1 - recent)``, cached exact rows of the prefix's sinks and
     ring), scattered slots and rows, NaN in everything unlisted. ``unused_tail``: append that many INT2 elements
     past the used range and put that many exact rows at position ``start + sink`` before the others, all NaN, which
     no query may read (needs ``c0 >= start + sink + recent`` and ``recent >= 1``; a multiple of the key tile, so
-    that the exact ones fill whole tiles)."""
+    that the exact ones fill whole tiles). ``fp8``: FP8 scales and zeros (:func:`fp8_mults`; Design P's reference
+    then does not describe the INT2 rows, :func:`extend_int2_ref` does)."""
     rot_k, rot_v = random_rotation(hkv, d, gen), random_rotation(hkv, d, gen)
     clip_k = (0.6 + 0.4 * torch.rand(hkv, generator=gen)).to(DEVICE)
     clip_v = (0.6 + 0.4 * torch.rand(hkv, generator=gen)).to(DEVICE)
@@ -202,7 +215,8 @@ def extend_case(seqs: list[tuple[int, int, int]], sink: int, recent: int, hkv: i
     slots, rows = n_int2 + 5, n_ex + 4
     perm_s = (torch.randperm(slots - 1, generator=gen)[:n_int2] + 1).tolist()
     perm_r = (torch.randperm(rows - 1, generator=gen)[:n_ex] + 1).tolist()
-    kp, vp = poisoned_pool(slots, hkv, d, g, gen), poisoned_pool(slots, hkv, d, g, gen)
+    kp = poisoned_pool(slots, hkv, d, g, gen, mult=fp8_mults(hkv, gen) if fp8 else None)
+    vp = poisoned_pool(slots, hkv, d, g, gen, mult=fp8_mults(hkv, gen) if fp8 else None)
     kx = torch.full((rows, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     vx = torch.full_like(kx, float("nan"))
     kv_lens, ex_lens, kv_idx, ex_idx, ex_p = [], [], [], [], []
@@ -211,8 +225,8 @@ def extend_case(seqs: list[tuple[int, int, int]], sink: int, recent: int, hkv: i
         rw = [perm_r.pop() for _ in ep]
         if ip:
             loc = torch.tensor(sl, device=DEVICE)
-            quantize_pack_ref(hist.k[ip], rot_k, clip_k, kp.codes, kp.scale, kp.zero, loc, g)
-            quantize_pack_ref(hist.v[ip], rot_v, clip_v, vp.codes, vp.scale, vp.zero, loc, g)
+            quantize_pack_ref(hist.k[ip], rot_k, clip_k, kp.codes, kp.scale, kp.zero, loc, g, mult=kp.mult)
+            quantize_pack_ref(hist.v[ip], rot_v, clip_v, vp.codes, vp.scale, vp.zero, loc, g, mult=vp.mult)
         if ep:
             r = torch.tensor(rw, device=DEVICE)
             quantize_pack_ref(hist.k[ep], rot_k, None, None, None, None, None, g, bf16_out=kx, bf16_loc=r)

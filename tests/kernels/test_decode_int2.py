@@ -350,6 +350,33 @@ def test_decode_paths_agree(path, monkeypatch):
     assert rel_err(out, ref) <= MAX_REL
 
 
+FP8_PATHS = ["rows", "rows-gluon", "general-row", "general-ptx", "general-groups", "int8-options"]
+
+
+@pytest.mark.parametrize("path", FP8_PATHS)
+def test_decode_fp8_metadata(path):
+    """FP8 scales and zeros (e4m3 times each KV head's multiplier, heads in different binades) through every split
+    kernel: the row-scale Triton and Gluon kernels, the general one at row scales (plain and PTX unpack) and at
+    32-element groups, and the Gluon kernel's int8 options against their definition."""
+    if path in ("rows-gluon", "general-ptx", "int8-options") and not ON_GPU:
+        pytest.skip("the Gluon kernel and the PTX unpack run on CUDA only")
+    d, gqa = 128, 4
+    g = 32 if path == "general-groups" else d
+    gen = torch.Generator().manual_seed(83)
+    lists = make_cache(INT2_LENS, BF16_LENS, HKV, d, g, gen, fp8=True)
+    assert lists.cache.fp8 and lists.cache.k.scale.dtype == torch.float8_e4m3fn
+    q = (torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    index = lists.index(SPLITS, MAX_SPLITS)
+    options = OPTION_CASES["all-capped"] if path == "int8-options" else DecodeOptions()
+    kw = {"options": options} if path == "int8-options" else {
+        "row_kernel": path.startswith("rows"),
+        "launch": DecodeLaunch(ptx_unpack=path == "general-ptx", async_tiles=path == "rows-gluon")}
+    out = _decode_poisoned(q, lists, index, **kw)
+    ref = decode_int2_ref(q, lists.cache, index, options=options)
+    torch.testing.assert_close(out, ref, **_tol(options))
+    assert rel_err(out, ref) <= MAX_REL
+
+
 GLUON_ONLY = "the interpreter does not run the Gluon split kernel, the one that implements the decode options"
 """Skip reason of the option tests on a machine without CUDA: there ``decode_int2`` runs the Triton kernel, which
 computes the default numerics whatever the options say, so comparing it with an option's definition would fail and

@@ -70,6 +70,23 @@ def test_extend_matches_ref(gqa, d, group, path):
 
 
 @pytest.mark.parametrize("path", PATHS[:2])
+@pytest.mark.parametrize("d,group", [(64, 32), (128, "row")])
+def test_extend_fp8_metadata(path, d, group):
+    """FP8 scales and zeros (e4m3 times a per-head multiplier of its own binade) through both paths: the INT2 rows
+    the kernels read are the reference's dequantisation of the same bytes."""
+    g = d if group == "row" else group
+    gen = torch.Generator().manual_seed(7 + d + g)
+    case = extend_case(SEQS, SINK, RECENT, HKV, 4, d, g, gen, fp8=True)
+    assert case.cache.fp8 and case.cache.k.scale.dtype == torch.float8_e4m3fn
+    got = _extend(path, case, out=torch.full(case.q.shape, float("nan"), device=DEVICE), **BLOCKS)
+    real = real_rows(case)
+    ref = extend_int2_ref(case.q, case.k_new, case.v_new, case.cache, case.index)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[real].float(), ref[real], **TOL)
+    assert rel_err(got[real], ref[real]) <= MAX_REL
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
 @pytest.mark.parametrize("sink,recent", [(0, 5), (4, 0), (0, 0), (2, 1), (6, 100)])
 def test_extend_window_variants(sink, recent, path):
     """No sinks, no recent window (the query's own key through INT2), neither, a one-token window, a window longer

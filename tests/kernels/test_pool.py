@@ -135,3 +135,38 @@ def test_refuses_what_the_kernels_cannot_run():
         Int2KVPool(QuantScheme(), L, HKV, D, 8, 1, rot, rot, clip_k=torch.full((L, HKV), 1.5))
     with pytest.raises(ValueError, match="rot_k"):
         Int2KVPool(QuantScheme(), L, HKV, D, 8, 1, random_rotation(HKV, D, gen), rot)
+
+
+def test_fp8_metadata_pool():
+    """``scale_dtype: fp8``: e4m3 scales and zeros with each layer's per-head multipliers (required, powers of two),
+    written as ``quantize_pack_ref`` writes them; the cell costs one byte less per scale and per zero (2.125 bits per
+    element at the Qwen3-8B shape); the decode kernels read the pool through the reference's dequantisation."""
+    gen = torch.Generator().manual_seed(6)
+    scheme = QuantScheme(group=32, sink=2, recent=4, scale_dtype="fp8")
+    rot = torch.stack([random_rotation(HKV, D, gen) for _ in range(L)])
+    mult = torch.tensor([[2.0 ** -6, 2.0 ** -4], [2.0 ** -5, 2.0 ** -7]])
+    with pytest.raises(SchemeError, match="mult_k"):
+        Int2KVPool(scheme, L, HKV, D, 8, 1, rot, rot)
+    with pytest.raises(ValueError, match="powers of two"):
+        Int2KVPool(scheme, L, HKV, D, 8, 1, rot, rot, mult_k=mult * 1.5, mult_v=mult)
+    pool = Int2KVPool(scheme, L, HKV, D, 40, 3, rot, rot.flip(0), device=DEVICE, mult_k=mult, mult_v=mult.flip(1))
+    c = pool.layer(1)
+    assert c.fp8 and c.k.scale.dtype == torch.float8_e4m3fn and torch.equal(c.v.mult.cpu(), mult[1].flip(0))
+    assert pool.cell_bytes == L * 2 * HKV * (D // 4 + 2 * 2)
+    n = 13
+    k = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    loc = torch.randperm(40, generator=gen)[:n].to(DEVICE)
+    pool.write(1, loc, k, v)
+    for x, p in ((k, c.k), (v, c.v)):
+        want = Int2Pool.empty(40, HKV, D, 32, device=DEVICE, mult=p.mult)
+        quantize_pack_ref(x, c.rot_k if p is c.k else c.rot_v, 1.0, want.codes, want.scale, want.zero, loc, 32,
+                          mult=p.mult)
+        lo = loc.long()
+        assert (p.codes[lo] != want.codes[lo]).float().mean() < 1e-2  # fused rotation: a rare code may move
+        torch.testing.assert_close(p.dequantize(lo), want.dequantize(lo), atol=0.05, rtol=0.05)
+    eye = torch.eye(128).expand(36, 1, 128, 128)
+    ones = torch.ones(36, 8)
+    qwen = Int2KVPool(QuantScheme(scale_dtype="fp8"), 36, 8, 128, 2, 1, eye, eye, device=DEVICE, mult_k=ones,
+                      mult_v=ones)
+    assert qwen.cell_bytes * 8 / (36 * 2 * 8 * 128) == 2.125

@@ -118,6 +118,48 @@ def test_kernel_fused_rotation(d, group, path):
     torch.testing.assert_close(got[2][lo], want[2][lo], atol=1e-4, rtol=2e-3)
 
 
+def _fp8_pools(slots, hkv, d, g, mult):
+    pool = Int2Pool.empty(slots, hkv, d, g, device=DEVICE, mult=mult)
+    pool.codes.zero_()
+    pool.scale.fill_(float("nan"))
+    pool.zero.fill_(float("nan"))
+    return pool
+
+
+@pytest.mark.parametrize("d,group", [(64, 32), (128, "row")])
+def test_kernel_fp8_metadata_is_bit_exact(d, group):
+    """FP8 scales and zeros: the kernel stores the reference's bytes (its own round-to-nearest-even onto e4m3's grid,
+    so also where the backend's fp32 -> e4m3 conversion rounds otherwise), for heads whose multipliers put their
+    values near e4m3's top (saturating at 448), in its normal range and among its subnormals, rotated in the kernel
+    (codes within the rotation's rounding) and pre-rotated (bit for bit); the pure-torch quantizer agrees."""
+    quantizer = pytest.importorskip("oscar_cli.quantizer")
+    g = d if group == "row" else group
+    gen = torch.Generator().manual_seed(d + g + 8)
+    hkv, slots = 3, N_TOK + 9
+    x = _x(N_TOK, hkv, d, gen, torch.float32) * torch.tensor([1.0, 40.0, 0.0005], device=DEVICE).view(1, hkv, 1)
+    mult = torch.tensor([2.0 ** -8, 2.0 ** -3, 1.0], device=DEVICE)
+    loc = torch.randperm(slots, generator=gen)[:N_TOK].to(DEVICE)
+    clip = torch.tensor([0.9, 0.8, 1.0], device=DEVICE)
+    got, want = _fp8_pools(slots, hkv, d, g, mult), _fp8_pools(slots, hkv, d, g, mult)
+    quantize_pack(x, None, clip, got.codes, got.scale, got.zero, loc, g, mult=mult)
+    quantize_pack_ref(x, None, clip, want.codes, want.scale, want.zero, loc, g, mult=mult)
+    lo = loc.long()
+    assert torch.equal(got.codes, want.codes)
+    for a, b in ((got.scale, want.scale), (got.zero, want.zero)):
+        assert torch.equal(a[lo].view(torch.uint8), b[lo].view(torch.uint8))
+    assert got.scale[lo].float().max() == 448.0 and (got.scale[lo].float() < 2.0 ** -6).any()  # both ends
+    ref = quantizer.quantize(x[lo.argsort()], clip.view(hkv, 1), bits=2, group=g, meta="fp8",
+                             mult=mult.view(hkv, 1))  # rows in slot order
+    assert torch.equal(ref.codes, got.codes[lo.sort().values])
+    rot = random_rotation(hkv, d, gen)
+    fused = _fp8_pools(slots, hkv, d, g, mult)
+    quantize_pack(x, rot, clip, fused.codes, fused.scale, fused.zero, loc, g, mult=mult)
+    quantize_pack_ref(x, rot, clip, want.codes, want.scale, want.zero, loc, g, mult=mult)
+    cg, cw = unpack(fused.codes[lo], 2, g).int(), unpack(want.codes[lo], 2, g).int()
+    assert (cg - cw).abs().max() <= 1 and (cg != cw).float().mean() < 2e-3
+    torch.testing.assert_close(fused.dequantize(lo), want.dequantize(lo), atol=0.1, rtol=0.1)
+
+
 def test_kernel_rejects_bad_args():
     gen = torch.Generator().manual_seed(0)
     x = _x(4, 2, 64, gen, torch.float32)
@@ -134,6 +176,11 @@ def test_kernel_rejects_bad_args():
         quantize_pack(x, None, 1.0, codes, scale, zero, loc, bf16_out=torch.empty(8, 2, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="nothing to store"):
         quantize_pack(x, None, 1.0, None, None, None, None)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):  # a multiplier with fp16 pools
+        quantize_pack(x, None, 1.0, codes, scale, zero, loc, mult=torch.ones(2, device=DEVICE))
+    fp8 = _fp8_pools(8, 2, 64, 64, torch.ones(2, device=DEVICE))
+    with pytest.raises(ValueError, match="mult must be an fp32"):
+        quantize_pack(x, None, 1.0, fp8.codes, fp8.scale, fp8.zero, loc, mult=torch.ones(3, device=DEVICE))
 
 
 def _equal(a, b):

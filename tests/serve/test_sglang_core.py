@@ -34,9 +34,11 @@ def rotations(n: int, gen: torch.Generator) -> torch.Tensor:
 class Model:
     """Per-layer K/V/Q tables indexed by (token id, position) and the artifact's rotations and clips."""
 
-    def __init__(self, seed: int = 0, per_head: bool = True, layers: int = 1):
+    def __init__(self, seed: int = 0, per_head: bool = True, layers: int = 1, fp8: bool = False):
         g = torch.Generator().manual_seed(seed)
         self.layers = L = layers
+        # FP8 scales: per-layer, per-KV-head multipliers of two binades (None: fp16 scales)
+        self.mult = torch.exp2(-torch.randint(4, 6, (2, L, HKV), generator=g).float()) if fp8 else None
         h = HKV if per_head else 1
         self.rot_k = torch.stack([rotations(h, g) for _ in range(L)])
         self.rot_v = torch.stack([rotations(h, g) for _ in range(L)])
@@ -56,8 +58,11 @@ class Model:
         return q, k, v
 
     def kv(self, anchors: int = 8, interval: int = 16, finish_anchors: bool = False) -> OscarKV:
-        return OscarKV(QuantScheme(sink=SINK, recent=RECENT), self.layers, HKV, D, SLOTS, REQS, self.rot_k, self.rot_v,
-                       self.clip_k, self.clip_v, anchors, interval, "cpu", finish_anchors=finish_anchors)
+        fp8 = self.mult is not None
+        return OscarKV(QuantScheme(sink=SINK, recent=RECENT, scale_dtype="fp8" if fp8 else "fp16"), self.layers, HKV, D,
+                       SLOTS, REQS, self.rot_k, self.rot_v, self.clip_k, self.clip_v, anchors, interval, "cpu",
+                       finish_anchors=finish_anchors, mult_k=self.mult[0] if fp8 else None,
+                       mult_v=self.mult[1] if fp8 else None)
 
 
 def reference(model: Model, layer: int, tokens: list[int], c0: int, c1: int, recent: int = RECENT) -> torch.Tensor:
@@ -67,16 +72,17 @@ def reference(model: Model, layer: int, tokens: list[int], c0: int, c1: int, rec
     rk = model.rot_k[layer].expand(HKV, D, D)
     rv = model.rot_v[layer].expand(HKV, D, D)
 
-    def rows(x, rot, clip):
+    def rows(x, rot, clip, mult):
         exact = torch.einsum("nhd,hde->nhe", x.float(), rot).to(torch.bfloat16).float()
         codes = torch.empty(c1, HKV, D // 4, dtype=torch.uint8)
-        scale = torch.empty(c1, HKV, 1, dtype=torch.float16)
+        scale = torch.empty(c1, HKV, 1, dtype=torch.float16 if mult is None else torch.float8_e4m3fn)
         zero = torch.empty_like(scale)
-        quantize_pack_ref(x, rot, clip.expand(HKV).contiguous(), codes, scale, zero, torch.arange(c1), D)
-        return exact, dequantize_ref(codes, scale, zero, D)
+        quantize_pack_ref(x, rot, clip.expand(HKV).contiguous(), codes, scale, zero, torch.arange(c1), D, mult=mult)
+        return exact, dequantize_ref(codes, scale, zero, D, mult)
 
-    ek, ik = rows(k, rk, model.clip_k[layer])
-    ev, iv = rows(v, rv, model.clip_v[layer])
+    mk, mv = (None, None) if model.mult is None else (model.mult[0, layer], model.mult[1, layer])
+    ek, ik = rows(k, rk, model.clip_k[layer], mk)
+    ev, iv = rows(v, rv, model.clip_v[layer], mv)
     out = torch.empty(c1 - c0, HQ, D)
     j = torch.arange(c1)
     for i, t in enumerate(range(c0, c1)):
@@ -161,11 +167,13 @@ def check(model, got_layers, toks, c0, c1):
 
 
 # ------------------------------------------------------------------------------------------------------ (b) kernels
-def test_extend_and_padded_decode_match_reference_over_shared_prefix_slots():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_extend_and_padded_decode_match_reference_over_shared_prefix_slots(fp8):
     """Two layers; two requests in one extend batch (ragged lengths, one with a radix-cache prefix computed by a third
     request earlier), then decode steps in a CUDA-graph padded batch: every output matches the reference, and
-    planning again for the next step keeps the plan's buffers (what a captured graph replays on)."""
-    model = Model(seed=1, layers=2)
+    planning again for the next step keeps the plan's buffers (what a captured graph replays on). Also with FP8
+    scales (an artifact's per-head multipliers through the pool)."""
+    model = Model(seed=1, layers=2, fp8=fp8)
     kv = model.kv(anchors=8, interval=0)
     sim = Sim(model, kv)
     a = tokens(30, 1)

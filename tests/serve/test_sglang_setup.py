@@ -49,6 +49,11 @@ def test_slice_for_rank_keeps_each_ranks_heads():
     assert parts[1]["eig_k"] is t["eig_k"]  # tensors without a per-rank use pass through
     same = slice_for_rank(t, kv_heads=4, tp_size=1, rank=0)
     assert all(torch.equal(same[k], t[k]) for k in t)
+    t["mult_k"] = torch.exp2(-torch.arange(12.0)).view(3, 4)  # an FP8 artifact's multipliers: per head too
+    parts = [slice_for_rank(t, kv_heads=4, tp_size=2, rank=r) for r in range(2)]
+    assert torch.equal(torch.cat([p["mult_k"] for p in parts], dim=1), t["mult_k"])
+    stacked = layer_stack(parts[1], [0, 1, 2], num_layers=2, start=1)
+    assert torch.equal(stacked["mult_k"], t["mult_k"][1:, 2:]) and "mult_v" not in stacked
 
 
 def test_shared_rotation_is_kept_on_every_rank():
@@ -284,9 +289,12 @@ def test_unquantized_layers_unsupported_scheme_and_tp_are_refused():
     assert any("cannot run in the kernels" in p for p in model_refusals(art.manifest, facts())[0])
     n = facts().num_layers
     for scheme in (QuantScheme(group=16, bits_k=(4,) + (2,) * (n - 1), bits_v=(2,) * n),
-                   QuantScheme(group=16, scale_dtype="fp8")):  # a budgeted allocation, fp8 scales
+                   QuantScheme(group=16, scale_dtype="fp8", center_keys=True)):  # an allocation, centered keys
         problems = model_refusals(fake_artifact(scheme=scheme).manifest, facts())[0]
         assert any("cannot run in the kernels" in p and "without --bits-per-element" in p for p in problems), problems
+    fp8 = model_refusals(fake_artifact(d=SERVED_D, scheme=QuantScheme(scale_dtype="fp8")).manifest,
+                         facts(d=SERVED_D))[0]
+    assert not any("cannot run in the kernels" in p for p in fp8), fp8  # FP8 scales: served
     assert any("--tp-size 3" in p for p in model_refusals(fake_artifact().manifest, facts(), tp_size=3)[0])
 
 

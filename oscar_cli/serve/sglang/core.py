@@ -47,14 +47,16 @@ class OscarKV:
         anchors: anchor entries; anchor_interval: positions between anchors inside one extend (0: chunk ends only).
         finish_anchors: take an anchor when a request finishes (only exact when no forward can still run for it
             after its finish is processed, i.e. without SGLang's overlap scheduling).
+        mult_k, mult_v: FP8 scales only: fp32 ``[L, Hkv]`` per-head multipliers (this rank's heads).
     """
 
     def __init__(self, scheme: QuantScheme, num_layers: int, kv_heads: int, head_dim: int, num_slots: int,
                  request_slots: int, rot_k: torch.Tensor, rot_v: torch.Tensor, clip_k: torch.Tensor,
                  clip_v: torch.Tensor, anchors: int, anchor_interval: int, device: torch.device | str | None = None,
-                 finish_anchors: bool = False):
+                 finish_anchors: bool = False, mult_k: torch.Tensor | None = None,
+                 mult_v: torch.Tensor | None = None):
         self.pool = Int2KVPool(scheme, num_layers, kv_heads, head_dim, num_slots, request_slots + anchors,
-                               rot_k, rot_v, clip_k, clip_v, device)
+                               rot_k, rot_v, clip_k, clip_v, device, mult_k=mult_k, mult_v=mult_v)
         self.table = AnchorTable(num_slots, anchors, device)
         self.request_slots = request_slots
         self.anchor_interval = anchor_interval

@@ -186,7 +186,8 @@ def pool_class():
             self.oscar = OscarKV(setup.scheme, setup.num_layers, setup.kv_heads, setup.head_dim, size + page,
                                  setup.request_slots, setup.rot_k, setup.rot_v, setup.clip_k, setup.clip_v,
                                  setup.settings.anchors, setup.settings.anchor_interval, device=kvc.device,
-                                 finish_anchors=bool(kvc.server_args.disable_overlap_schedule))
+                                 finish_anchors=bool(kvc.server_args.disable_overlap_schedule),
+                                 mult_k=setup.mult_k, mult_v=setup.mult_v)
             self._finalize_allocation_log(size)
 
         def get_kv_size_bytes(self):

@@ -49,6 +49,9 @@ class RankSetup:
     request_slots: int
     budget: Budget
     notes: tuple[str, ...] = ()
+    mult_k: torch.Tensor | None = None
+    """FP8 scales: the per-head multipliers ``[L, Hkv]`` (None with fp16 scales)."""
+    mult_v: torch.Tensor | None = None
 
 
 def rank_setup(settings: OscarSettings, artifact: Artifact, facts: ModelFacts, *, tp_size: int, tp_rank: int,
@@ -67,4 +70,5 @@ def rank_setup(settings: OscarSettings, artifact: Artifact, facts: ModelFacts, *
     return RankSetup(settings=settings, scheme=scheme, tp_rank=tp_rank, start_layer=start_layer,
                      num_layers=num_layers, kv_heads=len(heads), q_heads=q_heads, head_dim=facts.head_dim,
                      rot_k=t["r_k"], rot_v=t["r_v"], clip_k=t["clip_k"], clip_v=t["clip_v"],
-                     request_slots=request_slots, budget=b, notes=tuple(notes))
+                     request_slots=request_slots, budget=b, notes=tuple(notes), mult_k=t.get("mult_k"),
+                     mult_v=t.get("mult_v"))

@@ -59,7 +59,8 @@ def budget(scheme: QuantScheme, num_layers: int, kv_heads: int, head_dim: int, q
     from oscar_kernels import DecodePlan, ExtendPlan, Int2KVPool
 
     eye = torch.eye(head_dim).expand(1, 1, head_dim, head_dim)
-    unit = Int2KVPool(scheme, 1, kv_heads, head_dim, 1, 1, eye, eye, device="cpu")
+    ones = torch.ones(1, kv_heads) if scheme.scale_dtype == "fp8" else None  # multipliers: values do not matter
+    unit = Int2KVPool(scheme, 1, kv_heads, head_dim, 1, 1, eye, eye, device="cpu", mult_k=ones, mult_v=ones)
     workspace = DecodePlan(unit, request_slots, max_seq_len, q_heads=q_heads).workspace_bytes() \
         + ExtendPlan(unit, request_slots, max_tokens, max_seq_len).workspace_bytes()
     return Budget(cell=unit.cell_bytes * num_layers, bf16_cell=bf16_cell_bytes(num_layers, kv_heads, head_dim),

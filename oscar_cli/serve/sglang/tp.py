@@ -14,6 +14,8 @@ from .refusals import ServeRefusal, tp_refusal
 
 PER_HEAD_KEYS = ("r_k", "r_v", "clip_k", "clip_v")
 """Artifact tensors with a head axis (axis 1): ``r_*`` ``[n, h, d, d]``, ``clip_*`` ``[n, h]``."""
+OPTIONAL_PER_HEAD_KEYS = ("mult_k", "mult_v")
+"""Per-head tensors an artifact holds for some schemes only: the FP8 multipliers ``mult_*`` ``[n, Hkv]``."""
 
 
 def rank_heads(kv_heads: int, tp_size: int, rank: int) -> range:
@@ -32,7 +34,7 @@ def slice_for_rank(tensors: dict[str, torch.Tensor], kv_heads: int, tp_size: int
     everything else unchanged. ``tp_size = 1`` returns the tensors as they are."""
     heads = rank_heads(kv_heads, tp_size, rank)
     out = dict(tensors)
-    for key in PER_HEAD_KEYS:
+    for key in PER_HEAD_KEYS + tuple(k for k in OPTIONAL_PER_HEAD_KEYS if k in tensors):
         t = tensors[key]
         h = t.shape[1]
         if h == 1:
@@ -45,7 +47,9 @@ def slice_for_rank(tensors: dict[str, torch.Tensor], kv_heads: int, tp_size: int
 
 def layer_stack(tensors: dict[str, torch.Tensor], layers: list[int], num_layers: int, start: int = 0
                 ) -> dict[str, torch.Tensor]:
-    """Per-head tensors reordered to model layers ``start .. start + num_layers - 1`` (the pool's layer order);
-    ``layers`` is the artifact's list of model layers (axis 0 of its tensors)."""
+    """Per-head tensors (those of :data:`OPTIONAL_PER_HEAD_KEYS` where present) reordered to model layers
+    ``start .. start + num_layers - 1`` (the pool's layer order); ``layers`` is the artifact's list of model layers
+    (axis 0 of its tensors)."""
     index = [layers.index(i) for i in range(start, start + num_layers)]
-    return {k: tensors[k][index].contiguous() for k in PER_HEAD_KEYS}
+    keys = PER_HEAD_KEYS + tuple(k for k in OPTIONAL_PER_HEAD_KEYS if k in tensors)
+    return {k: tensors[k][index].contiguous() for k in keys}
