@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from oscar_kernels import FP8_MAX, FP8_MIN_STEP, SCALE_EPS, pack, unpack
+from oscar_kernels import FP8_MAX, FP8_MIN_STEP, SCALE_EPS, pack, to_fp8, unpack
 
 __all__ = ["FP8_MAX", "META_HEADROOM", "SCALE_EPS", "QuantizedRows", "bits_per_element", "clip_bounds", "dequantize",
            "fake_quant", "gaussian_table", "lloyd_max", "meta_multiplier", "pack", "quantize", "unpack"]
@@ -115,8 +115,8 @@ def quantize(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, 
         if mult is None:
             mult = meta_multiplier(scale, lo, tuple(range(scale.dim())))
         mult = mult.float().to(x.device)
-        scale = (scale / mult).clamp(FP8_MIN_STEP, FP8_MAX).to(torch.float8_e4m3fn)
-        zero = (lo / mult).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        scale = to_fp8(scale / mult, FP8_MIN_STEP, FP8_MAX)
+        zero = to_fp8(lo / mult, -FP8_MAX, FP8_MAX)
     else:
         raise ValueError(f"meta must be fp16 or fp8, got {meta!r}")
     rows = QuantizedRows(torch.empty(0, dtype=torch.uint8), scale, zero, bits, group, mult)

@@ -23,7 +23,7 @@ _EXPORTS = {
                     "default_num_splits", "split_policy"),
     "extend": ("ExtendIndex", "dequant_scratch", "extend_int2", "extend_int2_dequant", "extend_int2_ref"),
     "layout": ("DEFAULT_CLIP_RATIO", "FP8_MAX", "FP8_MIN_STEP", "SCALE_EPS", "Int2Pool", "LayerCache", "cached_rows_ref", "dequantize_ref",
-               "exact_row_ref", "pack", "unpack"),
+               "exact_row_ref", "pack", "to_fp8", "unpack"),
     "plan": ("DecodePlan", "ExtendPlan"),
     "pool": ("Int2KVPool",),
     "scheme": ("DecodeOptions", "QuantScheme"),

@@ -134,10 +134,12 @@ def dequantize_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return (c * s.unsqueeze(-1) + z.unsqueeze(-1)).flatten(-2)
 
 
-def fp8_round_ref(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-    """fp32 ``x`` clamped to ``[lo, hi]`` and rounded to nearest even on float8 e4m3's grid (what the write kernel
-    stores as FP8 metadata), as float8 e4m3."""
-    return x.float().clamp(lo, hi).to(FP8)
+def to_fp8(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """fp32 ``x`` clamped to ``[lo, hi]`` and rounded to nearest even on float8 e4m3's grid, as float8 e4m3, zeros
+    positive (what the write kernel stores as FP8 metadata: a small negative zero point that rounds to zero is
+    stored as +0, which GPUs' conversions give whatever the sign)."""
+    y = x.float().clamp(lo, hi).to(FP8)
+    return torch.where(y.float() == 0, torch.zeros_like(y), y)
 
 
 # ---------------------------------------------------------------------------------------------------------------

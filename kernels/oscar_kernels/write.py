@@ -46,6 +46,7 @@ from .layout import (
     check_clip,
     check_group_size,
     pack,
+    to_fp8,
 )
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -186,12 +187,13 @@ def _fp8_grid(v):
     """fp32 ``v`` (``|v| <= 448``) rounded to nearest even on float8 e4m3's grid, still fp32 (so its conversion to
     e4m3 is exact on every backend): the step of ``v``'s binade (``2**(e - 3)``, subnormals ``2**-9``) from the
     exponent bits, then a round-to-nearest-even of ``|v| / step`` (at most 16) by the 1.5 * 2**23 addition; the
-    sign back on last."""
+    sign back on last, zeros +0 (as :func:`~oscar_kernels.layout.to_fp8` stores them: an H100 stored +0 where
+    the interpreter kept the sign)."""
     a = tl.abs(v)
     e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
     step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
     r = ((a / step + 12582912.0) - 12582912.0) * step
-    return tl.where(v < 0, -r, r)  # -0.0 for small negatives, as torch rounds them
+    return tl.where(r > 0.0, tl.where(v < 0, -r, r), 0.0)
 
 
 @triton.jit
@@ -611,8 +613,8 @@ def quantize_pack_ref(
         sf, zf = s16.float(), z16.float()
     else:
         m = mult.float().to(x.device).view(1, hkv, 1)
-        s16 = (s16 / m).clamp(FP8_MIN_STEP, FP8_MAX).to(FP8)
-        z16 = (lo / m).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        s16 = to_fp8(s16 / m, FP8_MIN_STEP, FP8_MAX)
+        z16 = to_fp8(lo / m, -FP8_MAX, FP8_MAX)
         sf, zf = s16.float() * m, z16.float() * m
     c = torch.floor((xg - zf.unsqueeze(-1)) / sf.unsqueeze(-1) + 0.5).clamp_(0, LEVELS)
     packed = pack(c.flatten(-2).to(torch.uint8), KERNEL_BITS, g)
