@@ -27,7 +27,7 @@ from oscar_cli.serve.sglang.refusals import ServeRefusal  # noqa: E402
 from oscar_cli.serve.sglang.settings import OscarSettings, write_settings  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-L, HQ, HKV, D = 2, 4, 2, 16
+L, HQ, HKV, D = 2, 4, 2, 64  # head dim: the smallest the decode kernel runs at on CUDA (CUDA_MIN_HEAD_DIM)
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +100,10 @@ def test_radix_cache_from_sglangs_registry_caps_matches(loaded):
     assert len(cache.match_prefix(MatchPrefixParams(key=RadixKey(q))).device_indices) == 37  # SGLang's own re-match
 
 
-def test_pool_and_backend_over_sglangs_base_classes(loaded, tmp_path):
-    """The pool hook builds the OSCAR pool, the backend plans and runs an extend and a decode step of two layers."""
+@pytest.mark.parametrize("scale_dtype", ["fp16", "fp8"])
+def test_pool_and_backend_over_sglangs_base_classes(loaded, tmp_path, scale_dtype):
+    """The pool hook builds the OSCAR pool, the backend plans and runs an extend and a decode step of two layers;
+    with fp16 scales and with FP8 ones (the artifact's per-head multipliers reach the pool)."""
     from oscar_kernels.scheme import QuantScheme
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -113,9 +115,13 @@ def test_pool_and_backend_over_sglangs_base_classes(loaded, tmp_path):
     eye = torch.eye(D).expand(L, HKV, D, D).contiguous()
     t = {"layers": torch.arange(L), "r_k": eye, "r_v": eye.clone(), "clip_k": torch.ones(L, HKV),
          "clip_v": torch.ones(L, HKV), "eig_k": torch.zeros(L, HKV, D), "eig_v": torch.zeros(L, HKV, D)}
+    fp8 = scale_dtype == "fp8"
+    if fp8:
+        t["mult_k"], t["mult_v"] = torch.full((L, HKV), 2.0 ** -5), torch.full((L, HKV), 2.0 ** -6)
     m = Manifest(model_slug="t", model_fingerprint="sha256:t", run_id=None, stats_digest="", data_digest="",
                  calibration_tokens=0, method="hadamard", per_head=True, layers=tuple(range(L)),
-                 shape=AttentionShape(L, HQ, HKV, D), scheme=QuantScheme(group=D, sink=4, recent=8), fit_clip=False,
+                 shape=AttentionShape(L, HQ, HKV, D), scheme=QuantScheme(group=D, sink=4, recent=8,
+                                                                         scale_dtype=scale_dtype), fit_clip=False,
                  clip_grid=(), metrics={})
     art = write_artifact(tmp_path / "arts", m, t, "")
     hf = {"model_type": "llama", "num_hidden_layers": L, "num_attention_heads": HQ, "num_key_value_heads": HKV,
@@ -129,7 +135,7 @@ def test_pool_and_backend_over_sglangs_base_classes(loaded, tmp_path):
     kvc = SimpleNamespace(server_args=sa, model_config=mc, is_draft_worker=False, device=DEVICE,
                           kv_cache_dtype=torch.bfloat16, ps=SimpleNamespace(attn_tp_size=1, attn_tp_rank=0),
                           layer_info=SimpleNamespace(start_layer=0, num_effective_layers=L))
-    assert plugin.around_cell_size(None, None, kvc, L) == L * 2 * HKV * (D // 4 + 4)
+    assert plugin.around_cell_size(None, None, kvc, L) == L * 2 * HKV * (D // 4 + (2 if fp8 else 4))
     pool = plugin.around_build_pool(None, kvc, max_total_num_tokens=100, mha_pool_class=None)
     layers = [RadixAttention(HQ, D, D ** -0.5, HKV, layer_id=i) for i in range(L)]
     rtp = ReqToTokenPool(size=3, max_context_len=64, device=DEVICE, enable_memory_saver=False)
@@ -158,3 +164,5 @@ def test_pool_and_backend_over_sglangs_base_classes(loaded, tmp_path):
         assert torch.isfinite(backend.forward_decode(q, k, v, lay, fb).float()).all()
     assert pool.oscar.table.deepest(torch.arange(1, 21, device=DEVICE))[0] == 20  # the prompt-end anchor
     assert Path(pool.setup.settings.artifact) == art
+    c = pool.oscar.pool.layer(1)
+    assert c.fp8 == fp8 and (not fp8 or torch.equal(c.v.mult.cpu(), t["mult_v"][1]))
