@@ -77,15 +77,17 @@ class Int2Case:
     """One batch: ``bs`` sequences of ``ctx`` tokens (new token included) in a one-layer pool, planned once."""
 
     def __init__(self, bs: int, ctx: int, gen: torch.Generator, head_major: bool = True, scale_dtype: str = "fp16",
-                 **plan_kw):
+                 widths: tuple[int, int] = (2, 2), **plan_kw):
         """``head_major``: ``Int2KVPool``'s layout ([Hkv, S, ...] storage behind [S, Hkv, ...] views); ``False`` runs
         the attention over slot-major copies of the same pools (the layout of the tables before commit 0fbef24).
-        ``scale_dtype``: the pools' scale/zero storage (``fp8``: e4m3 with per-head multipliers)."""
+        ``scale_dtype``: the pools' scale/zero storage (``fp8``: e4m3 with per-head multipliers); ``widths``: the K
+        and V code widths (4: two 2-bit planes)."""
         self.bs, self.ctx, self.n2 = bs, ctx, ctx - BF16_TOKENS
         rot = torch.linalg.qr(torch.randn(2, HKV, D, D, device=DEV, generator=gen))[0].contiguous()
         mult = torch.full((1, HKV), 2.0 ** -5) if scale_dtype == "fp8" else None
         self.pool = Int2KVPool(QuantScheme(group=0, sink=SINK, recent=RECENT, scale_dtype=scale_dtype), 1, HKV, D,
-                               bs * ctx, bs, rot[:1], rot[1:], device=DEV, mult_k=mult, mult_v=mult)
+                               bs * ctx, bs, rot[:1], rot[1:], device=DEV, mult_k=mult, mult_v=mult,
+                               widths=[widths])
         fill_random(self.pool.layer(0), gen)
         self.cache = self.pool.layer(0)
         if not head_major:
@@ -103,8 +105,7 @@ class Int2Case:
         self.out = torch.empty_like(self.q)
 
     def bytes_read(self) -> int:
-        meta = self.pool.scheme.meta_bits // 8  # scale + zero of the row's one group
-        int2 = self.bs * self.n2 * HKV * 2 * (D // 4 + meta)  # codes + scale + zero, K and V
+        int2 = self.bs * self.n2 * self.pool.cell_bytes  # codes + scale + zero, K and V
         bf16 = self.bs * BF16_TOKENS * HKV * D * 2 * 2
         idx = (self.bs * self.ctx) * 4
         rot = 2 * HKV * D * D * 4
@@ -394,38 +395,42 @@ def variants_table(gen, results: str, commit: str, variants=None, shapes=None, r
 
 METADATA_SHAPES = [(1, 32768), (1, 131072), (8, 32768), (16, 131072), (32, 32768)]
 """``--metadata``: batch 1 (launch- and latency-bound) and the large batches (bandwidth-bound)."""
+STORAGE = [("INT2, fp16 scales", "fp16", (2, 2)), ("INT2, FP8 scales", "fp8", (2, 2)),
+           ("K INT4 / V INT2, fp16 scales", "fp16", (4, 2)), ("K INT4 / V INT2, FP8 scales", "fp8", (4, 2)),
+           ("K INT4 / V INT4, fp16 scales", "fp16", (4, 4))]
+"""``--metadata``: the layer storages an allocated scheme mixes, the first the baseline of the ratios."""
 
 
-def metadata_table(gen, results: str, commit: str, bw: float, shapes=None) -> None:
-    """The attention (``decode_int2`` over the planned lists) over pools with fp16 scales and zeros against FP8 ones
-    (e4m3 with per-head multipliers: 34 instead of 36 bytes per token, head and K or V at d = g = 128), the same
-    shapes and data layout, one table: µs, bytes read, µs per MB read and its ratio (FP8 / fp16; the mixed-metadata
-    target is within 1.10), the fraction of the copy bandwidth."""
+def metadata_table(gen, results: str, commit: str, bw: float, shapes=None, storage=None) -> None:
+    """The attention (``decode_int2`` over the planned lists, default launch) over one layer stored each way of
+    ``storage`` (default :data:`STORAGE`: fp16 or FP8 scales and zeros, 2- or 4-bit keys and values), the same shapes:
+    per shape and storage the µs, the MB read, the µs per MB read against the first storage's (an allocated layer's
+    cost per byte; the target is within 1.10) and the fraction of the copy bandwidth."""
     shapes = shapes or METADATA_SHAPES
+    storage = storage or STORAGE
     rows = []
     for bs, ctx in shapes:
-        t = {}
-        for dtype in ("fp16", "fp8"):
-            case = Int2Case(bs, ctx, gen, scale_dtype=dtype)
-            us = graph_us(case.fn())
-            t[dtype] = (us, case.bytes_read())
-            print(f"bs{bs} ctx{ctx} {dtype}: {us:.1f} µs, {case.bytes_read() / 1e6:.1f} MB", flush=True)
+        base = None
+        for label, dtype, widths in storage:
+            case = Int2Case(bs, ctx, gen, scale_dtype=dtype, widths=widths)
+            us, nbytes = graph_us(case.fn()), case.bytes_read()
             del case
             torch.cuda.empty_cache()
-        per = {k: us / (b / 1e6) for k, (us, b) in t.items()}
-        rows.append([f"bs{bs}/{ctx // 1024}k", f"{t['fp16'][0]:.1f}", f"{t['fp8'][0]:.1f}",
-                     f"{t['fp8'][0] / t['fp16'][0]:.3f}", f"{t['fp16'][1] / 1e6:.1f}", f"{t['fp8'][1] / 1e6:.1f}",
-                     f"{per['fp8'] / per['fp16']:.3f}", f"{t['fp16'][1] / (t['fp16'][0] * 1e-6) / bw:.2f}",
-                     f"{t['fp8'][1] / (t['fp8'][0] * 1e-6) / bw:.2f}"])
-    head = ["shape", "fp16 µs", "FP8 µs", "time FP8/fp16", "fp16 MB read", "FP8 MB read", "µs per MB FP8/fp16",
-            "fp16 of copy bw", "FP8 of copy bw"]
+            per = us / (nbytes / 1e6)
+            base = base or (us, per)
+            print(f"bs{bs} ctx{ctx} {label}: {us:.1f} µs, {nbytes / 1e6:.1f} MB", flush=True)
+            rows.append([f"bs{bs}/{ctx // 1024}k", label, f"{us:.1f}", f"{us / base[0]:.3f}", f"{nbytes / 1e6:.1f}",
+                         f"{per / base[1]:.3f}", f"{nbytes / (us * 1e-6) / bw:.2f}"])
+    head = ["shape", "storage", "µs", "time vs first", "MB read", "µs per MB vs first", "of copy bw"]
     table = markdown_table(head, rows)
     print(table)
-    append_section(results, "Decode attention, fp16 against FP8 scales and zeros", torch.cuda.get_device_name(),
-                   commit, "`decode_int2` over `DecodePlan`'s lists (default launch), CUDA-graph replay median; "
-                   f"Qwen3-8B shapes (32 q / 8 KV heads, d 128), INT2 g = d, sink {SINK}, recent {RECENT}; the same "
-                   "random codes layout with fp16 scale and zero (36 B per token, head and K or V) or e4m3 ones with "
-                   "a per-head multiplier (34 B).", table)
+    append_section(results, "Decode attention by layer storage: code widths and scale dtype",
+                   torch.cuda.get_device_name(), commit,
+                   "`decode_int2` over `DecodePlan`'s lists (default launch: on CUDA the Gluon split kernel for 2-bit "
+                   "layers, the Triton one for a layer with 4-bit codes), CUDA-graph replay median; Qwen3-8B shapes "
+                   f"(32 q / 8 KV heads, d 128), g = d, sink {SINK}, recent {RECENT}; random codes; per token, head and K "
+                   "or V: 32 B of 2-bit codes or 64 B of 4-bit ones, plus 4 B of fp16 scale and zero or 2 B of FP8 "
+                   "ones (with a per-head multiplier).", table)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -446,7 +451,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "int8 MMAs; int8-values: its value products too; lean: lean tiles, movmatrix, the fused "
                          "value update)")
     ap.add_argument("--metadata", action="store_true",
-                    help="time the attention over fp16 against FP8 scales and zeros, append the table, then stop")
+                    help="time the attention over each layer storage (fp16 or FP8 scales, 2- or 4-bit keys and "
+                         "values), append the table, then stop")
     ap.add_argument("--label", default="DecodePlan defaults")
     ap.add_argument("--recent", type=int, default=RECENT,
                     help=f"with --variants: the pools' exact recent window (default {RECENT}; above it "

@@ -39,8 +39,8 @@ def kernel_ready(lq: LayerQuant | None, scheme: QuantScheme, head_dim: int, devi
         return None
     if lq.key_axis != "token":
         return "per-channel (KIVI) keys"
-    if (lq.bits_k, lq.bits_v) != (2, 2):
-        return f"{lq.bits_k}-bit keys and {lq.bits_v}-bit values"
+    if lq.bits_k not in (2, 4) or lq.bits_v not in (2, 4):
+        return f"{lq.bits_k}-bit keys and {lq.bits_v}-bit values (the kernels store 2- and 4-bit codes)"
     if lq.meta == "fp8" and (lq.mult_k is None or lq.mult_v is None):
         return "FP8 scales without fitted multipliers (the kernels need the artifact's mult_k/mult_v)"
     if lq.decode.int8_scores:
@@ -117,12 +117,13 @@ class KernelState:
                           _stack_rot(self.quants, "k", self.head_dim), _stack_rot(self.quants, "v", self.head_dim),
                           _stack_clip(self.quants, "k"), _stack_clip(self.quants, "v"), device=device,
                           mult_k=_stack_mult(self.quants, "k", self.kv_heads),
-                          mult_v=_stack_mult(self.quants, "v", self.kv_heads))
+                          mult_v=_stack_mult(self.quants, "v", self.kv_heads),
+                          widths=[(lq.bits_k, lq.bits_v) for lq in self.quants])
         if old is not None:  # same rows and positions in the larger table; exact regions are per row: unchanged
             for j in range(len(self.quants)):
                 a, b = old.layer(j), pool.layer(j)
                 for src, dst in ((a.k, b.k), (a.v, b.v)):
-                    for name in ("codes", "scale", "zero"):
+                    for name in ("codes", "scale", "zero") + (("codes_hi",) if src.codes_hi is not None else ()):
                         s, t = getattr(src, name), getattr(dst, name)
                         t.view(batch, capacity, *t.shape[1:])[:, :old_cap].copy_(s.view(batch, old_cap, *s.shape[1:]))
                 b.k_bf16.copy_(a.k_bf16)

@@ -79,25 +79,29 @@ def test_flat_variant_keywords_split_into_options_launch_and_plan_keywords(bench
                                                  "exact_min_rows"}
 
 
-def test_metadata_table_times_both_scale_dtypes_on_the_same_shapes(bench, tmp_path, monkeypatch):
-    """``--metadata``: each shape with fp16 and with FP8 scales (the FP8 attention checked against its reference),
-    34 against 36 bytes per token, head and K or V in the bytes read; one row per shape, appended."""
-    case = bench.Int2Case(2, 300, torch.Generator().manual_seed(2), scale_dtype="fp8")
-    assert case.pool.layer(0).fp8
-    case.fn()()
-    ref = decode_int2_ref(case.q, case.cache, case.plan.index, case.plan.sm_scale)
-    assert ((case.out.float() - ref).norm() / ref.norm()) < 1e-2
+def test_metadata_table_times_each_storage_on_the_same_shapes(bench, tmp_path, monkeypatch):
+    """``--metadata``: each shape with every layer storage (the FP8 and the 4-bit ones' attention checked against
+    its reference), the bytes read per token and head following the storage (4-bit codes double the code bytes,
+    FP8 saves one byte of scale and one of zero); one row per shape and storage, ratios to the first, appended."""
+    n2 = 2 * (300 - bench.BF16_TOKENS) * bench.HKV  # INT2 rows x heads of a 2 x 300 batch
     fp16 = bench.Int2Case(2, 300, torch.Generator().manual_seed(2))
-    int2 = 2 * (300 - bench.BF16_TOKENS) * bench.HKV * 2
-    assert fp16.bytes_read() - case.bytes_read() == int2 * 2  # one byte less for each of scale and zero
+    for dtype, widths, extra in (("fp8", (2, 2), -4), ("fp16", (4, 2), 32), ("fp8", (4, 4), 2 * 32 - 4)):
+        case = bench.Int2Case(2, 300, torch.Generator().manual_seed(2), scale_dtype=dtype, widths=widths)
+        assert (case.cache.k.bits, case.cache.v.bits) == widths and case.cache.fp8 == (dtype == "fp8")
+        case.fn()()
+        ref = decode_int2_ref(case.q, case.cache, case.plan.index, case.plan.sm_scale)
+        assert ((case.out.float() - ref).norm() / ref.norm()) < 1e-2
+        assert case.bytes_read() - fp16.bytes_read() == n2 * extra
     timed = []
     monkeypatch.setattr(bench, "graph_us", lambda fn: (timed.append(1), 10.0 * len(timed))[1])
     results = tmp_path / "RESULTS.md"
-    bench.metadata_table(torch.Generator().manual_seed(1), str(results), "abc1234", 1e12,
-                         shapes=[(1, 300), (2, 300)])
+    storage = bench.STORAGE[:3]
+    bench.metadata_table(torch.Generator().manual_seed(1), str(results), "abc1234", 1e12, shapes=[(1, 300), (2, 300)],
+                         storage=storage)
     text = results.read_text()
-    assert "## Decode attention, fp16 against FP8 scales and zeros" in text and "commit abc1234" in text
-    rows = [line for line in text.splitlines() if line.startswith("| bs")]
-    assert [r.split("|")[1].strip() for r in rows] == ["bs1/0k", "bs2/0k"] and len(timed) == 4
-    assert rows[0].split("|")[4].strip() == "2.000"  # the fake timer: FP8 took 20 after fp16's 10
+    assert "## Decode attention by layer storage" in text and "commit abc1234" in text
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| bs")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [(s, label) for s in ("bs1/0k", "bs2/0k")
+                                                           for label, _, _ in storage]
+    assert len(timed) == 6 and rows[1][4].strip() == "2.000"  # the fake timer: 20 after the first's 10
     assert bench.parse_args(["--metadata"]).metadata

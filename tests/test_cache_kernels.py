@@ -12,7 +12,7 @@ from oscar_kernels.scheme import DecodeOptions
 from oscar_cli.cache import OscarCache, cache_kwarg
 from oscar_cli.config import QuantScheme
 from oscar_cli.errors import OscarError
-from oscar_cli.kvquant import LayerQuant, build_layer_quants
+from oscar_cli.kvquant import EXACT, LayerQuant, build_layer_quants
 from oscar_cli.methods import get_method, scheme_for
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,11 +39,19 @@ def fp8_quants(n_layers=2, h=2):
     return [dataclasses.replace(lq, meta="fp8", mult_k=mult, mult_v=mult.flip(0)) for lq in per_head_quants(n_layers, h)]
 
 
+def mixed_quants():
+    """:func:`per_head_quants` with an allocation: 4-bit keys in layer 0, 4-bit values in layer 1."""
+    a, b = per_head_quants()
+    return [dataclasses.replace(a, bits_k=4), dataclasses.replace(b, bits_v=4)]
+
+
 def quants_for(kind, scheme):
     if kind == "per-head":
         return per_head_quants()
     if kind == "per-head-fp8":
         return fp8_quants()
+    if kind == "mixed-widths":
+        return mixed_quants()
     m = get_method(kind)
     return build_layer_quants(m, scheme_for(m, D, reference=scheme), 2, D, 2)
 
@@ -95,10 +103,12 @@ def steps_and_layer0(model, cache, x, mask, chunks, decode_steps):
 
 
 @pytest.mark.parametrize("kind,chunks", [("per-head", (24,)), ("int2-hadamard", (9, 15)), ("int2-naive", (24,)),
-                                         ("per-head-fp8", (11, 13))])
+                                         ("per-head-fp8", (11, 13)), ("mixed-widths", (11, 13)),
+                                         ("int4-hadamard", (24,))])
 def test_kernel_backend_matches_the_reference(kind, chunks):
     model = tiny()
-    scheme = QuantScheme(sink=3, recent=5, scale_dtype="fp8" if kind.endswith("fp8") else "fp16")
+    scheme = QuantScheme(sink=3, recent=5, scale_dtype="fp8" if kind.endswith("fp8") else "fp16",
+                         bits=4 if kind.startswith("int4") else 2)
     q = quants_for(kind, scheme)
     x = torch.randint(1, 96, (2, 24), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(x)
@@ -118,7 +128,8 @@ def test_kernel_backend_matches_the_reference(kind, chunks):
     assert not torch.equal(got, ref)  # really a different code path (bf16 exact rows)
     # the quantization is visible: the reference itself differs from exact attention
     exact = steps(model, OscarCache(model, [None, None], scheme), x, mask, chunks, 4)
-    assert rel(ref[real], exact[real]) > 5 * LOGITS_TOL
+    # (INT4 everywhere moves the logits ~2e-2 here, INT2 ~1e-1: its kernel-vs-reference check rests on layer 0's)
+    assert rel(ref[real], exact[real]) > (1 if kind.startswith("int4") else 5) * LOGITS_TOL
     if kind != "per-head":
         return
     # and the bounds are tight enough to see a sink or recent one row off (the reference at that scheme)
@@ -202,8 +213,8 @@ def test_backend_choice_and_refusals(monkeypatch):
     unfitted = [dataclasses.replace(lq, mult_k=None) for lq in fp8_quants()]
     with pytest.raises(OscarError, match="FP8 scales without fitted multipliers"):
         OscarCache(model, unfitted, QuantScheme(sink=2, recent=4, scale_dtype="fp8"), backend="kernels")
-    four = build_layer_quants(get_method("int4-hadamard"), scheme_for(get_method("int4-hadamard"), D), 2, D, 2)
-    with pytest.raises(OscarError, match="4-bit keys and 4-bit values"):
-        OscarCache(model, four, scheme, backend="kernels")
+    exact_v = [dataclasses.replace(lq, bits_v=EXACT) for lq in per_head_quants()]
+    with pytest.raises(OscarError, match="16-bit values"):
+        OscarCache(model, exact_v, scheme, backend="kernels")
     with pytest.raises(OscarError, match="unknown cache backend"):
         OscarCache(model, kivi, scheme, backend="fast")

@@ -32,7 +32,7 @@ def test_group_checks_and_kernel_support():
     assert QuantScheme().kernel_support(128) is None
     assert QuantScheme().kernel_support(32) is None and QuantScheme().kernel_support(64, "cuda") is None
     assert "decode kernel needs head dim >= 64" in QuantScheme().kernel_support(32, "cuda")  # wrong there on an H200
-    assert "2-bit" in QuantScheme(bits=4).kernel_support(128)
+    assert QuantScheme(bits=4).kernel_support(128) is None  # 4-bit codes: two 2-bit planes
     assert "power-of-two head dim" in QuantScheme().kernel_support(80)
     assert "group" in QuantScheme(group=8).kernel_support(64)
 

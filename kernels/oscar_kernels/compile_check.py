@@ -140,7 +140,7 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
     """One extend and one decode step of two requests through the pool and plans (every serving kernel), at
     ``head_dim`` with its row group (``g = d``, the row-scale decode path) and, where ``d >= 64``, ``g = 32``; then
     the decode step under each option and launch knob that compiles other code; then the same pool with FP8 scales
-    and zeros through every kernel that reads them."""
+    and zeros, and with 4-bit codes, through every kernel that reads them."""
     from .decode import DecodeLaunch
     from .plan import DecodePlan, ExtendPlan
     from .pool import Int2KVPool
@@ -204,6 +204,19 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
         step(DecodePlan(pool, 2, 128, q_heads=hq, launch=DecodeLaunch(async_tiles=False)))
         step(DecodePlan(pool, 2, 128, q_heads=hq, options=DecodeOptions(
             int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True, movmatrix=True)))
+
+        # 4-bit codes (two planes): keys and values (fp16 scales), and keys alone with FP8 scales, through the write,
+        # both extend paths and the decode split kernels that read them (the Triton ones: the Gluon kernel hands
+        # 4-bit layers to them)
+        for widths, scheme_4, m4 in (([(4, 4)], scheme, None), ([(4, 2)], fp8, mult)):
+            pool = Int2KVPool(scheme_4, 1, kv_heads, d, 256, 2, rot, rot.clone(), clip_k=0.9, clip_v=0.95,
+                              mult_k=m4, mult_v=m4, widths=widths)
+            for deq in (None, 0):
+                ext = ExtendPlan(pool, 2, 64, 128, dequant_tokens=deq)
+                ext.plan(r2t, i(0, 1), i(0, 10), i(40, 24), torch.cat([r2t[0, :40], r2t[1, 10:34]]))
+                ext.run(0, *(torch.randn(64, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+            for row_kernel in (None, False):
+                step(DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ from .decode_grid import DecodeIndex, decode_workspace, row_path
 from .decode_merge import merge, merge_shape
 from .decode_merge import rotate_q as rotate_query
 from .decode_split import launch_general, launch_rows
-from .layout import LayerCache, cached_rows_ref, check_query, dequantize_ref, gpu_codegen
+from .layout import LayerCache, cached_rows_ref, check_query, gpu_codegen
 from .scheme import DecodeOptions, cuda_head_dim_refusal
 
 LOG2E = math.log2(math.e)
@@ -169,6 +169,11 @@ def decode_int2(
     if bsz == 0:
         return out
     fp32_dot = not gpu_codegen(q)
+    two_bit = cache.k.bits == cache.v.bits == 2
+    if not two_bit and not options.exact:
+        raise ValueError(f"decode options {options.describe()} run in the Gluon split kernel, which reads 2-bit codes; "
+                         f"this layer has {cache.k.bits}-bit keys and {cache.v.bits}-bit values: use the default "
+                         "options")
     per_seq_exact = index.num_exact is not None
     num_exact = index.num_exact if per_seq_exact else index.num_splits  # not read without per-sequence counts
     if rotate_q:
@@ -179,8 +184,8 @@ def decode_int2(
         if max_registers is None and bsz * hkv * max_splits >= ROWS_CAPPED_PROGRAMS:
             max_registers = ROWS_MAX_REGISTERS
         block_h = max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa))
-        if launch.async_tiles and not fp32_dot and decode_async.usable(d, launch.block_n, launch.block_nb,
-                                                                         launch.num_warps, options.num_stages):
+        if launch.async_tiles and not fp32_dot and two_bit and decode_async.usable(
+                d, launch.block_n, launch.block_nb, launch.num_warps, options.num_stages):
             decode_async.launch(*split_args, block_h=block_h, options=options, max_registers=max_registers)
         else:
             launch_rows(*split_args, block_h=block_h, block_n=launch.block_n or ROWS_BLOCK_N,
@@ -265,9 +270,7 @@ def decode_int2_ref(q: torch.Tensor, cache: LayerCache, index: DecodeIndex, sm_s
         if int8_scores:  # the INT2 rows' zeros, per element
             zero = cache.k.scale_zero(sl)[1].repeat_interleave(cache.k.group_size, -1)  # [n_int2, Hkv, d]
         if int8_values:  # the INT2 rows' value codes, their scales and zeros
-            shape, dev = cache.v.scale[sl].shape, cache.v.codes.device
-            vc = dequantize_ref(cache.v.codes[sl], torch.ones(shape, device=dev), torch.zeros(shape, device=dev),
-                                d)  # [n_int2, Hkv, d]
+            vc = cache.v.code_values(sl)  # [n_int2, Hkv, d]
             vsc, vz = (t[..., 0] for t in cache.v.scale_zero(sl))  # [n_int2, Hkv]
         for h in range(hq):
             kh = h // gqa

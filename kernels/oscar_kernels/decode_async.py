@@ -253,7 +253,7 @@ def _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss,
 @gluon.jit
 def _decode_rows_async_kernel(
     QN,
-    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, MULT_K, MULT_V,
+    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, MULT_K, MULT_V, K_HI, V_HI,  # K_HI, V_HI: 2-bit, unread
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
     PART_O, PART_LSE, NUM_SPLITS, NUM_EXACT,

@@ -77,6 +77,16 @@ def meta_f32(x, m, META_FP8: tl.constexpr):
 
 
 @triton.jit
+def code_plane(c, ch, j: tl.constexpr, BITS: tl.constexpr):
+    """Plane ``j`` of packed 2-bit code bytes ``c`` as integer codes (0..3); 4-bit codes (``BITS`` 4) add their high
+    plane's ``ch`` times 4 (0..15)."""
+    x = (c >> (2 * j)) & 3
+    if BITS == 4:
+        x = x | (((ch >> (2 * j)) & 3) << 2)
+    return x
+
+
+@triton.jit
 def split_counts(NUM_SPLITS, NUM_EXACT, b, parts, exact_splits, PER_SEQ_EXACT: tl.constexpr):
     """Programs of sequence ``b`` (split kernels and merge agree on them): ``e`` exact programs, ``clamp(num_exact[b],
     1, exact_splits)`` (``PER_SEQ_EXACT``) or ``exact_splits``, and ``n = clamp(num_splits[b], 1, parts - e)`` INT2
@@ -233,15 +243,19 @@ def split_args(q_rot: torch.Tensor, cache, index, part_o: torch.Tensor, part_lse
                num_exact: torch.Tensor, words: bool) -> tuple:
     """The pointer, count and stride arguments every decode split kernel takes, in order: the rotated queries, the
     layer's INT2 pools (code ``words``: int16 views, for the row-scale kernels; else the uint8 code bytes) with their
-    FP8 multipliers (:attr:`~oscar_kernels.layout.LayerCache.mults`) and exact
+    FP8 multipliers (:attr:`~oscar_kernels.layout.LayerCache.mults`) and high code planes (4-bit pools) and exact
     rows (a :class:`~oscar_kernels.layout.LayerCache`), ``index``'s lists and counts (a
     :class:`~oscar_kernels.decode_grid.DecodeIndex`; ``num_exact`` in place of ``index.num_exact`` when that is
     None, never read then) and the partials."""
     k, v = cache.k, cache.v
     kc, vc = (k.words, v.words) if words else (k.codes, v.codes)
     mk, mv = cache.mults
+    if words:  # a 2-bit pool's own words stand in for the high plane it does not have (never read)
+        kh, vh = (p.words if p.codes_hi is None else p.words_hi for p in (k, v))
+    else:
+        kh, vh = cache.his
     return (q_rot,
-            kc, k.scale, k.zero, vc, v.scale, v.zero, mk, mv,
+            kc, k.scale, k.zero, vc, v.scale, v.zero, mk, mv, kh, vh,
             cache.k_bf16, cache.v_bf16,
             index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices,
             part_o, part_lse, index.num_splits, num_exact,

@@ -27,6 +27,7 @@ import triton.language as tl
 from .decode_common import (
     BF16_MAGIC,
     F16_MAGIC,
+    code_plane,
     dot_nt,
     exact_tile,
     finish_split,
@@ -82,19 +83,28 @@ def _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vw
     return vw, vs, vz
 
 @triton.jit
-def _rows_scores(kw, ks, kz, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i,
-                 MAGIC: tl.constexpr, DOT_T: tl.constexpr):
-    """A row-scale tile's base-2 scores ``s = s_k (q'.c) + z_k sum(q')`` [N, H] -> online-softmax step:
-    ``(p, alpha, m_new, l_new)``; tokens outside ``mask_n`` score -inf."""
+def _key_dots(kw, q0, q1, q2, q3, q4, q5, q6, q7, acc, MAGIC: tl.constexpr, DOT_T: tl.constexpr):
+    """``acc + q'.c`` [N, H] of one 2-bit code plane's words ``kw`` (magic offsets included: see the caller)."""
     k0, k1, k2, k3, k4, k5, k6, k7 = _word_planes(kw, MAGIC, DOT_T)
-    qc = tl.dot(k0, q0, s_init)
-    qc = tl.dot(k1, q1, qc)
-    qc = tl.dot(k2, q2, qc)
-    qc = tl.dot(k3, q3, qc)
-    qc = tl.dot(k4, q4, qc)
-    qc = tl.dot(k5, q5, qc)
-    qc = tl.dot(k6, q6, qc)
-    qc = tl.dot(k7, q7, qc)  # [N, H] = q'.c
+    acc = tl.dot(k0, q0, acc)
+    acc = tl.dot(k1, q1, acc)
+    acc = tl.dot(k2, q2, acc)
+    acc = tl.dot(k3, q3, acc)
+    acc = tl.dot(k4, q4, acc)
+    acc = tl.dot(k5, q5, acc)
+    acc = tl.dot(k6, q6, acc)
+    return tl.dot(k7, q7, acc)
+
+
+@triton.jit
+def _rows_scores(kw, kwh, ks, kz, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i,
+                 MAGIC: tl.constexpr, DOT_T: tl.constexpr, BITS_K: tl.constexpr):
+    """A row-scale tile's base-2 scores ``s = s_k (q'.c) + z_k sum(q')`` [N, H] -> online-softmax step:
+    ``(p, alpha, m_new, l_new)``; tokens outside ``mask_n`` score -inf. 4-bit keys (``BITS_K``): ``c = lo + 4 hi``,
+    the high plane's words ``kwh`` dotted alike (each plane's magic offset taken out by its own ``s_init``)."""
+    qc = _key_dots(kw, q0, q1, q2, q3, q4, q5, q6, q7, s_init, MAGIC, DOT_T)  # [N, H] = q'.c
+    if BITS_K == 4:
+        qc += 4.0 * _key_dots(kwh, q0, q1, q2, q3, q4, q5, q6, q7, s_init, MAGIC, DOT_T)
     s = qc * ks[:, None] + kz[:, None] * qtot[None, :]
     s = tl.where(mask_n[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -102,38 +112,54 @@ def _rows_scores(kw, ks, kz, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, s_init, qto
     p = tl.exp2(s - m_new[None, :])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 0)
 
+
 @triton.jit
-def _rows_values(p, alpha, vw, vs, vz, pz, a0, a1, a2, a3, a4, a5, a6, a7,
-                 OFF: tl.constexpr, MAGIC: tl.constexpr, DOT_T: tl.constexpr):
+def _value_dots(vw, ps, off_t, MAGIC: tl.constexpr, DOT_T: tl.constexpr):
+    """The eight plane products ``c^T (p s)`` [d/8, H] of one 2-bit code plane's words ``vw``, each less its magic
+    offset ``off_t``."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes(vw, MAGIC, DOT_T)
+    return (tl.dot(tl.trans(v0), ps) - off_t, tl.dot(tl.trans(v1), ps) - off_t, tl.dot(tl.trans(v2), ps) - off_t,
+            tl.dot(tl.trans(v3), ps) - off_t, tl.dot(tl.trans(v4), ps) - off_t, tl.dot(tl.trans(v5), ps) - off_t,
+            tl.dot(tl.trans(v6), ps) - off_t, tl.dot(tl.trans(v7), ps) - off_t)
+
+
+@triton.jit
+def _rows_values(p, alpha, vw, vwh, vs, vz, pz, a0, a1, a2, a3, a4, a5, a6, a7,
+                 OFF: tl.constexpr, MAGIC: tl.constexpr, DOT_T: tl.constexpr, BITS_V: tl.constexpr):
     """A row-scale tile's value side: ``sum_t (p_t s_t) c_t`` into the plane accumulators ``a*`` [d/8, H] (rescaled
-    by ``alpha``) and ``sum_t p_t z_t`` into ``pz``."""
+    by ``alpha``) and ``sum_t p_t z_t`` into ``pz``; 4-bit values (``BITS_V``) add their high plane ``vwh``'s
+    products times 4."""
     ps = (p * vs[:, None]).to(DOT_T)
     pz = pz * alpha + tl.sum(p * vz[:, None], 0)
-    v0, v1, v2, v3, v4, v5, v6, v7 = _word_planes(vw, MAGIC, DOT_T)
     # the 1024 offsets leave each tile's product before it is carried: the tensor cores' fp32 accumulation
     # truncates, and carried over a long split next to the offsets its bias grew with the split length
     # (5e-2 relative error over 4k tokens on an H200; written as dot(...) - off, Triton cannot fold the
     # carry back into the dot's accumulator)
     off_t = (OFF * tl.sum(ps.to(tl.float32), 0))[None, :]
-    a0 = a0 * alpha[None, :] + (tl.dot(tl.trans(v0), ps) - off_t)
-    a1 = a1 * alpha[None, :] + (tl.dot(tl.trans(v1), ps) - off_t)
-    a2 = a2 * alpha[None, :] + (tl.dot(tl.trans(v2), ps) - off_t)
-    a3 = a3 * alpha[None, :] + (tl.dot(tl.trans(v3), ps) - off_t)
-    a4 = a4 * alpha[None, :] + (tl.dot(tl.trans(v4), ps) - off_t)
-    a5 = a5 * alpha[None, :] + (tl.dot(tl.trans(v5), ps) - off_t)
-    a6 = a6 * alpha[None, :] + (tl.dot(tl.trans(v6), ps) - off_t)
-    a7 = a7 * alpha[None, :] + (tl.dot(tl.trans(v7), ps) - off_t)
+    p0, p1, p2, p3, p4, p5, p6, p7 = _value_dots(vw, ps, off_t, MAGIC, DOT_T)
+    if BITS_V == 4:
+        h0, h1, h2, h3, h4, h5, h6, h7 = _value_dots(vwh, ps, off_t, MAGIC, DOT_T)
+        p0, p1, p2, p3 = p0 + 4.0 * h0, p1 + 4.0 * h1, p2 + 4.0 * h2, p3 + 4.0 * h3
+        p4, p5, p6, p7 = p4 + 4.0 * h4, p5 + 4.0 * h5, p6 + 4.0 * h6, p7 + 4.0 * h7
+    a0 = a0 * alpha[None, :] + p0
+    a1 = a1 * alpha[None, :] + p1
+    a2 = a2 * alpha[None, :] + p2
+    a3 = a3 * alpha[None, :] + p3
+    a4 = a4 * alpha[None, :] + p4
+    a5 = a5 * alpha[None, :] + p5
+    a6 = a6 * alpha[None, :] + p6
+    a7 = a7 * alpha[None, :] + p7
     return pz, a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
 def _rows_tile(start, hi, kv_start, slot_next, offs_t, offs_w, kvh, KV_INDICES,
-               K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, mk, mv,
+               K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, mk, mv, K_HI, V_HI,
                stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
                stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
                q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7,
                BLOCK_N: tl.constexpr, OFF: tl.constexpr, MAGIC: tl.constexpr, DOT_T: tl.constexpr,
-               OFF64: tl.constexpr, META_FP8: tl.constexpr):
+               OFF64: tl.constexpr, META_FP8: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr):
     """One row-scale tile of the split loop: tokens ``[start, start + BLOCK_N)`` of the split ending at ``hi`` (token
     masks on the slots, the scores and the value scales), whose slots ``slot_next`` the iteration before loaded.
     Returns the next tile's slots and the updated softmax state and plane accumulators."""
@@ -145,15 +171,23 @@ def _rows_tile(start, hi, kv_start, slot_next, offs_t, offs_w, kvh, KV_INDICES,
         slot = slot.to(tl.int64)
     kw, ks, kz = _rows_k_loads(K_WORDS, K_SCALE, K_ZERO, slot, kvh, offs_w, stride_kws, stride_kwh,
                                stride_kss, stride_ksh, stride_kzs, stride_kzh)
-    p, alpha, m_i, l_i = _rows_scores(kw, meta_f32(ks, mk, META_FP8), meta_f32(kz, mk, META_FP8), mask_n,
-                                      q0, q1, q2, q3,
-                                      q4, q5, q6, q7, s_init, qtot, m_i, l_i, MAGIC, DOT_T)
+    if BITS_K == 4:  # the high plane: the low plane's strides
+        kwh = tl.load(K_HI + slot[:, None] * stride_kws + kvh * stride_kwh + offs_w[None, :])
+    else:
+        kwh = kw
+    p, alpha, m_i, l_i = _rows_scores(kw, kwh, meta_f32(ks, mk, META_FP8), meta_f32(kz, mk, META_FP8), mask_n,
+                                      q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i, MAGIC, DOT_T, BITS_K)
     vw, vs, vz = _rows_v_loads(V_WORDS, V_SCALE, V_ZERO, slot, mask_n, kvh, offs_w, stride_vws,
                                stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh)
+    if BITS_V == 4:
+        vwh = tl.load(V_HI + slot[:, None] * stride_vws + kvh * stride_vwh + offs_w[None, :])
+    else:
+        vwh = vw
     pz, a0, a1, a2, a3, a4, a5, a6, a7 = _rows_values(
-        p, alpha, vw, meta_f32(vs, mv, META_FP8), meta_f32(vz, mv, META_FP8), pz, a0, a1, a2, a3, a4, a5, a6, a7,
-        OFF, MAGIC, DOT_T)
+        p, alpha, vw, vwh, meta_f32(vs, mv, META_FP8), meta_f32(vz, mv, META_FP8), pz, a0, a1, a2, a3, a4, a5, a6,
+        a7, OFF, MAGIC, DOT_T, BITS_V)
     return slot_next, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7
+
 
 @triton.jit
 def _query_planes(q_rows, mq, HEAD_DIM: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr,
@@ -193,7 +227,7 @@ def _split_state(W: tl.constexpr, H: tl.constexpr):
 @triton.jit
 def _decode_rows_kernel(
     QN,
-    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, MULT_K, MULT_V,
+    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, MULT_K, MULT_V, K_HI, V_HI,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
     PART_O, PART_LSE, NUM_SPLITS, NUM_EXACT,
@@ -207,7 +241,7 @@ def _decode_rows_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
     MAGIC: tl.constexpr, DOT_T: tl.constexpr, BF_PV_T: tl.constexpr, OFF64: tl.constexpr,
-    PER_SEQ_EXACT: tl.constexpr, META_FP8: tl.constexpr,
+    PER_SEQ_EXACT: tl.constexpr, META_FP8: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -242,11 +276,11 @@ def _decode_rows_kernel(
         for start in range(lo, hi, BLOCK_N):
             slot_next, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7 = _rows_tile(
                 start, hi, kv_start, slot_next, offs_t, offs_w, kvh, KV_INDICES,
-                K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, mk, mv,
+                K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, mk, mv, K_HI, V_HI,
                 stride_kws, stride_kwh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
                 stride_vws, stride_vwh, stride_vss, stride_vsh, stride_vzs, stride_vzh,
                 q0, q1, q2, q3, q4, q5, q6, q7, s_init, qtot, m_i, l_i, pz, a0, a1, a2, a3, a4, a5, a6, a7,
-                BLOCK_N, OFF, MAGIC, DOT_T, OFF64, META_FP8)
+                BLOCK_N, OFF, MAGIC, DOT_T, OFF64, META_FP8, BITS_K, BITS_V)
         inv_l, lse = finish_split(m_i, l_i)
         il = inv_l[None, :]
         zt = (pz * inv_l)[None, :]
@@ -287,7 +321,7 @@ def _decode_rows_kernel(
 @triton.jit
 def _decode_int2_kernel(
     QN,
-    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, MULT_K, MULT_V,
+    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, MULT_K, MULT_V, K_HI, V_HI,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
     PART_O, PART_LSE, NUM_SPLITS, NUM_EXACT,
@@ -301,7 +335,7 @@ def _decode_int2_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
     QK_T: tl.constexpr, PV_T: tl.constexpr, PTX_UNPACK: tl.constexpr, PER_SEQ_EXACT: tl.constexpr,
-    META_FP8: tl.constexpr,
+    META_FP8: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -348,6 +382,14 @@ def _decode_int2_kernel(
                 slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
                 kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
                 vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
+                if BITS_K == 4:  # the high plane: the low plane's strides
+                    kh = tl.load(K_HI + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
+                else:
+                    kh = kc
+                if BITS_V == 4:
+                    vh = tl.load(V_HI + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
+                else:
+                    vh = vc
                 if NG == 1:
                     ks = meta_f32(tl.load(K_SCALE + slot * stride_kss + kvh * stride_ksh, mask=mask_n, other=0.0),
                                   mk, META_FP8)
@@ -357,14 +399,14 @@ def _decode_int2_kernel(
                                   mv, META_FP8)
                     vz = meta_f32(tl.load(V_ZERO + slot * stride_vzs + kvh * stride_vzh, mask=mask_n, other=0.0),
                                   mv, META_FP8)
-                    if PTX_UNPACK:  # codes arrive as F16_MAGIC + c: q.(M + c) = q.c + M sum(q)
+                    if PTX_UNPACK and BITS_K == 2:  # codes arrive as F16_MAGIC + c: q.(M + c) = q.c + M sum(q)
                         k0, k1, k2, k3 = planes_f16(kc)
                         kz = kz - F16_MAGIC * ks
                     else:
-                        k0 = (kc & 3).to(QK_T)
-                        k1 = ((kc >> 2) & 3).to(QK_T)
-                        k2 = ((kc >> 4) & 3).to(QK_T)
-                        k3 = (kc >> 6).to(QK_T)
+                        k0 = code_plane(kc, kh, 0, BITS_K).to(QK_T)
+                        k1 = code_plane(kc, kh, 1, BITS_K).to(QK_T)
+                        k2 = code_plane(kc, kh, 2, BITS_K).to(QK_T)
+                        k3 = code_plane(kc, kh, 3, BITS_K).to(QK_T)
                     qc = dot_nt(q0, k0, True)
                     qc += dot_nt(q1, k1, True)
                     qc += dot_nt(q2, k2, True)
@@ -375,10 +417,10 @@ def _decode_int2_kernel(
                                  mask=mask_n[:, None], other=0.0), mk, META_FP8)
                     kz = meta_f32(tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :],
                                  mask=mask_n[:, None], other=0.0), mk, META_FP8)
-                    s = dot_nt(q0, ((kc & 3).to(tl.float32) * ks + kz).to(QK_T), True)
-                    s += dot_nt(q1, (((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T), True)
-                    s += dot_nt(q2, (((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T), True)
-                    s += dot_nt(q3, ((kc >> 6).to(tl.float32) * ks + kz).to(QK_T), True)
+                    s = dot_nt(q0, (code_plane(kc, kh, 0, BITS_K).to(tl.float32) * ks + kz).to(QK_T), True)
+                    s += dot_nt(q1, (code_plane(kc, kh, 1, BITS_K).to(tl.float32) * ks + kz).to(QK_T), True)
+                    s += dot_nt(q2, (code_plane(kc, kh, 2, BITS_K).to(tl.float32) * ks + kz).to(QK_T), True)
+                    s += dot_nt(q3, (code_plane(kc, kh, 3, BITS_K).to(tl.float32) * ks + kz).to(QK_T), True)
                 s = tl.where(mask_n[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.exp2(m_i - m_new)
@@ -391,14 +433,14 @@ def _decode_int2_kernel(
                 if NG == 1:
                     ps = (p * vs[None, :]).to(PV_T)
                     pz = tl.sum(p * vz[None, :], 1)
-                    if PTX_UNPACK:  # codes arrive as BF16_MAGIC + c: sum ps (M + c) = sum ps c + M sum ps
+                    if PTX_UNPACK and BITS_V == 2:  # codes as BF16_MAGIC + c: sum ps (M + c) = sum ps c + M sum ps
                         v0, v1, v2, v3 = planes_bf16(vc)
                         pz -= BF16_MAGIC * tl.sum(ps.to(tl.float32), 1)
                     else:
-                        v0 = (vc & 3).to(PV_T)
-                        v1 = ((vc >> 2) & 3).to(PV_T)
-                        v2 = ((vc >> 4) & 3).to(PV_T)
-                        v3 = (vc >> 6).to(PV_T)
+                        v0 = code_plane(vc, vh, 0, BITS_V).to(PV_T)
+                        v1 = code_plane(vc, vh, 1, BITS_V).to(PV_T)
+                        v2 = code_plane(vc, vh, 2, BITS_V).to(PV_T)
+                        v3 = code_plane(vc, vh, 3, BITS_V).to(PV_T)
                     acc0 += tl.dot(ps, v0) + pz[:, None]
                     acc1 += tl.dot(ps, v1) + pz[:, None]
                     acc2 += tl.dot(ps, v2) + pz[:, None]
@@ -409,10 +451,10 @@ def _decode_int2_kernel(
                     vz = meta_f32(tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :],
                                  mask=mask_n[:, None], other=0.0), mv, META_FP8)
                     pp = p.to(PV_T)
-                    acc0 += tl.dot(pp, ((vc & 3).to(tl.float32) * vs + vz).to(PV_T))
-                    acc1 += tl.dot(pp, (((vc >> 2) & 3).to(tl.float32) * vs + vz).to(PV_T))
-                    acc2 += tl.dot(pp, (((vc >> 4) & 3).to(tl.float32) * vs + vz).to(PV_T))
-                    acc3 += tl.dot(pp, ((vc >> 6).to(tl.float32) * vs + vz).to(PV_T))
+                    acc0 += tl.dot(pp, (code_plane(vc, vh, 0, BITS_V).to(tl.float32) * vs + vz).to(PV_T))
+                    acc1 += tl.dot(pp, (code_plane(vc, vh, 1, BITS_V).to(tl.float32) * vs + vz).to(PV_T))
+                    acc2 += tl.dot(pp, (code_plane(vc, vh, 2, BITS_V).to(tl.float32) * vs + vz).to(PV_T))
+                    acc3 += tl.dot(pp, (code_plane(vc, vh, 3, BITS_V).to(tl.float32) * vs + vz).to(PV_T))
                 m_i = m_new
         else:
             # ---------------- exact (BF16) split ----------------
@@ -450,8 +492,8 @@ def launch_rows(q_rot, cache, index, part_o, part_lse, num_exact, *, block_h: in
         GQA=hq // cache.kv_heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_N=block_n, BLOCK_NB=block_nb,
         MAGIC=not fp32_dot, DOT_T=tl.float32 if fp32_dot else tl.float16,
         BF_PV_T=tl.float32 if fp32_dot else tl.bfloat16, OFF64=cache.off64,
-        PER_SEQ_EXACT=index.num_exact is not None, META_FP8=cache.fp8, num_warps=num_warps, num_stages=num_stages,
-        **cap,
+        PER_SEQ_EXACT=index.num_exact is not None, META_FP8=cache.fp8, BITS_K=cache.k.bits, BITS_V=cache.v.bits,
+        num_warps=num_warps, num_stages=num_stages, **cap,
     )
 
 
@@ -467,5 +509,5 @@ def launch_general(q_rot, cache, index, part_o, part_lse, num_exact, *, block_h:
         BLOCK_N=block_n, BLOCK_NB=block_nb,
         QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
         PTX_UNPACK=ptx_unpack, PER_SEQ_EXACT=index.num_exact is not None, META_FP8=cache.fp8,
-        num_warps=num_warps, num_stages=num_stages,
+        BITS_K=cache.k.bits, BITS_V=cache.v.bits, num_warps=num_warps, num_stages=num_stages,
     )

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_common import dot_nt, exact_tile, head_mults, meta_f32, softmax_step
+from .decode_common import code_plane, dot_nt, exact_tile, head_mults, meta_f32, softmax_step
 from .layout import LayerCache, check_index, check_query, check_seq, gpu_codegen, interpreting
 
 DEFAULT_BLOCK_M = 64
@@ -177,7 +177,7 @@ def _exact_use(pos, mask_n, sink_end, t_win):
 @triton.jit
 def _extend_int2_kernel(
     Q, K_NEW, V_NEW, QO_INDPTR, Q_POS0, START,
-    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, MULT_K, MULT_V,
+    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, MULT_K, MULT_V, K_HI, V_HI,
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES, BF16_POS,
     OUT,
@@ -189,7 +189,7 @@ def _extend_int2_kernel(
     stride_on, stride_oh,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QK_T: tl.constexpr, PV_T: tl.constexpr,
-    META_FP8: tl.constexpr,
+    META_FP8: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -229,24 +229,34 @@ def _extend_int2_kernel(
             slot = tl.load(KV_INDICES + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
             mn = mask_n[:, None]
             kc = tl.load(K_CODES + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
+            if BITS_K == 4:  # the high plane: the low plane's strides
+                kh = tl.load(K_HI + slot[:, None] * stride_kcs + kvh * stride_kch + offs_m[None, :])
+            else:
+                kh = kc
             ks = tl.load(K_SCALE + slot[:, None] * stride_kss + kvh * stride_ksh + gidx[None, :], mask=mn, other=0.0)
             kz = tl.load(K_ZERO + slot[:, None] * stride_kzs + kvh * stride_kzh + gidx[None, :], mask=mn, other=0.0)
             ks = meta_f32(ks, mk, META_FP8)
             kz = meta_f32(kz, mk, META_FP8)
-            s = dot_nt(q0, ((kc & 3).to(tl.float32) * ks + kz).to(QK_T), False)
-            s += dot_nt(q1, (((kc >> 2) & 3).to(tl.float32) * ks + kz).to(QK_T), False)
-            s += dot_nt(q2, (((kc >> 4) & 3).to(tl.float32) * ks + kz).to(QK_T), False)
-            s += dot_nt(q3, ((kc >> 6).to(tl.float32) * ks + kz).to(QK_T), False)
+            s = dot_nt(q0, (code_plane(kc, kh, 0, BITS_K).to(tl.float32) * ks + kz).to(QK_T), False)
+            s += dot_nt(q1, (code_plane(kc, kh, 1, BITS_K).to(tl.float32) * ks + kz).to(QK_T), False)
+            s += dot_nt(q2, (code_plane(kc, kh, 2, BITS_K).to(tl.float32) * ks + kz).to(QK_T), False)
+            s += dot_nt(q3, (code_plane(kc, kh, 3, BITS_K).to(tl.float32) * ks + kz).to(QK_T), False)
             s = tl.where(_int2_use(offs_n, mask_n, sink_end, t_win), s, float("-inf"))
             vc = tl.load(V_CODES + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
+            if BITS_V == 4:
+                vh = tl.load(V_HI + slot[:, None] * stride_vcs + kvh * stride_vch + offs_m[None, :])
+            else:
+                vh = vc
             vs = tl.load(V_SCALE + slot[:, None] * stride_vss + kvh * stride_vsh + gidx[None, :], mask=mn, other=0.0)
             vz = tl.load(V_ZERO + slot[:, None] * stride_vzs + kvh * stride_vzh + gidx[None, :], mask=mn, other=0.0)
             vs = meta_f32(vs, mv, META_FP8)
             vz = meta_f32(vz, mv, META_FP8)
             m_i, l_i, acc0, acc1, acc2, acc3 = softmax_step(
                 s, m_i, l_i, acc0, acc1, acc2, acc3,
-                (vc & 3).to(tl.float32) * vs + vz, ((vc >> 2) & 3).to(tl.float32) * vs + vz,
-                ((vc >> 4) & 3).to(tl.float32) * vs + vz, (vc >> 6).to(tl.float32) * vs + vz, PV_T)
+                code_plane(vc, vh, 0, BITS_V).to(tl.float32) * vs + vz,
+                code_plane(vc, vh, 1, BITS_V).to(tl.float32) * vs + vz,
+                code_plane(vc, vh, 2, BITS_V).to(tl.float32) * vs + vz,
+                code_plane(vc, vh, 3, BITS_V).to(tl.float32) * vs + vz, PV_T)
 
         # ---- cached exact rows (prefix sinks and ring): used iff j < sink_end or j > t - recent ----
         bf_start = tl.load(BF16_INDPTR + b)
@@ -374,7 +384,7 @@ def extend_int2(
     k, v = cache.k, cache.v
     _extend_int2_kernel[grid](
         qr, kr, vr, index.qo_indptr, index.q_pos0, index.start,
-        k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, *cache.mults,
+        k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, *cache.mults, *cache.his,
         cache.k_bf16, cache.v_bf16,
         index.kv_indptr, index.kv_indices, index.bf16_indptr, index.bf16_indices, index.bf16_pos,
         o_rot,
@@ -386,7 +396,7 @@ def extend_int2(
         o_rot.stride(0), o_rot.stride(1),
         GQA=gqa, BLOCK_H=block_h, BLOCK_T=block_t, HEAD_DIM=d, GROUP_SIZE=g, BLOCK_N=block_n,
         QK_T=tl.float32 if fp32_dot else tl.float16, PV_T=tl.float32 if fp32_dot else tl.bfloat16,
-        META_FP8=cache.fp8, num_warps=num_warps, num_stages=num_stages,
+        META_FP8=cache.fp8, BITS_K=k.bits, BITS_V=v.bits, num_warps=num_warps, num_stages=num_stages,
     )
     # back to the original basis: o = o' @ R_V^T (per KV head of each query head)
     out.copy_(_rotate(o_rot, cache.rot_v.transpose(1, 2), hq))
@@ -463,13 +473,14 @@ DEQ_STAGES = 3
 @triton.jit
 def _dequant_list_kernel(
     KV_INDPTR, KV_INDICES,
-    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, MULT_K, MULT_V,
+    K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, MULT_K, MULT_V, K_HI, V_HI,
     K_OUT, V_OUT,
     batch, head0,
     stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh,
     stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh,
     stride_oh, stride_on,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_E: tl.constexpr, META_FP8: tl.constexpr,
+    BITS_K: tl.constexpr, BITS_V: tl.constexpr,
 ):
     """Element ``e`` of the batch's INT2 list (all sequences back to back) -> row ``e`` of the scratch, head
     ``head0 + program_id(1)``, in the natural rotated element order: K ``code*s + z`` rounded to fp16 (the QK dot's
@@ -490,25 +501,31 @@ def _dequant_list_kernel(
         row = hl * stride_oh + e.to(tl.int64)[:, None] * stride_on + col0[None, :]
         mk, mv = head_mults(MULT_K, MULT_V, kvh, META_FP8)
         _dequant_rows(K_CODES, K_SCALE, K_ZERO, K_OUT, slot, kvh, row, me, offs_m, gidx,
-                      stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh, mk, BQ, META_FP8)
+                      stride_kcs, stride_kch, stride_kss, stride_ksh, stride_kzs, stride_kzh, mk, K_HI, BQ, META_FP8,
+                      BITS_K)
         _dequant_rows(V_CODES, V_SCALE, V_ZERO, V_OUT, slot, kvh, row, me, offs_m, gidx,
-                      stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh, mv, BQ, META_FP8)
+                      stride_vcs, stride_vch, stride_vss, stride_vsh, stride_vzs, stride_vzh, mv, V_HI, BQ, META_FP8,
+                      BITS_V)
 
 
 @triton.jit
 def _dequant_rows(CODES, SCALE, ZERO, OUT, slot, kvh, row, me, offs_m, gidx,
-                  stride_cs, stride_ch, stride_ss, stride_sh, stride_zs, stride_zh, m, BQ: tl.constexpr,
-                  META_FP8: tl.constexpr):
+                  stride_cs, stride_ch, stride_ss, stride_sh, stride_zs, stride_zh, m, HI, BQ: tl.constexpr,
+                  META_FP8: tl.constexpr, BITS: tl.constexpr):
     """Slots ``slot`` of one pool (K or V), head ``kvh`` -> ``OUT`` rows ``row`` (element offsets of bit plane 0;
     plane ``j`` at ``+ j * BQ``): ``code * s + z`` in fp32, rounded to ``OUT``'s type (FP8 metadata times the head's
-    multiplier ``m``)."""
+    multiplier ``m``; 4-bit codes with their high plane at ``HI``)."""
     c = tl.load(CODES + slot[:, None] * stride_cs + kvh * stride_ch + offs_m[None, :], mask=me, other=0)
+    if BITS == 4:
+        ch = tl.load(HI + slot[:, None] * stride_cs + kvh * stride_ch + offs_m[None, :], mask=me, other=0)
+    else:
+        ch = c
     sc = tl.load(SCALE + slot[:, None] * stride_ss + kvh * stride_sh + gidx[None, :], mask=me, other=0.0)
     z = tl.load(ZERO + slot[:, None] * stride_zs + kvh * stride_zh + gidx[None, :], mask=me, other=0.0)
     sc = meta_f32(sc, m, META_FP8)
     z = meta_f32(z, m, META_FP8)
     for j in tl.static_range(4):
-        x = ((c >> (2 * j)) & 3).to(tl.float32) * sc + z
+        x = code_plane(c, ch, j, BITS).to(tl.float32) * sc + z
         tl.store(OUT + row + j * BQ, x.to(OUT.dtype.element_ty), mask=me)
 
 
@@ -696,7 +713,7 @@ def extend_int2_dequant(
         if int2_tokens:
             _dequant_list_kernel[(triton.cdiv(int2_tokens, DEQUANT_BLOCK_E), heads)](
                 index.kv_indptr, index.kv_indices,
-                k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, *cache.mults,
+                k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, *cache.mults, *cache.his,
                 sk, sv, bsz, h0,
                 k.codes.stride(0), k.codes.stride(1), k.scale.stride(0), k.scale.stride(1),
                 k.zero.stride(0), k.zero.stride(1),
@@ -704,6 +721,7 @@ def extend_int2_dequant(
                 v.zero.stride(0), v.zero.stride(1),
                 sk.stride(0), sk.stride(1),
                 HEAD_DIM=d, GROUP_SIZE=cache.group_size, BLOCK_E=DEQUANT_BLOCK_E, META_FP8=cache.fp8,
+                BITS_K=k.bits, BITS_V=v.bits,
             )
         _extend_deq_kernel[(bsz, heads, triton.cdiv(index.max_new_len, block_t))](
             qr, kr, vr, index.qo_indptr, index.q_pos0, index.start,

@@ -32,6 +32,11 @@ scales instead of 2 bytes out of each (measured on an H200, ``benchmarks/bench_d
   shift gives a contiguous quarter of each group, so a query quarter can be dotted against it with no reshuffle.
 * ``scale`` / ``zero`` of group ``k`` at byte ``2 * ((h * S + t) * d/g + k)``.
 
+4-bit codes (a layer's K or V given INT4 by a scheme's allocation, ``bits_k`` / ``bits_v``) are stored as two such
+2-bit planes with the same layout and strides: ``codes`` the low two bits of each code, ``codes_hi`` the high two
+(code ``c = lo + 4 hi``, 0..15), scale and zero as above with ``scale = (hi - lo) / 15``. Every kernel then reads a
+4-bit row as two 2-bit rows: its unpacks and products stay the 2-bit ones, the high plane's weighted by 4.
+
 Quantisation (the definition; ``oscar_cli.quantizer.quantize`` and :func:`oscar_kernels.quantize_pack_ref` follow
 it): clip ratio ``r``: ``lo, hi = mid -+ r * (max - min) / 2`` per group, ``scale = max((hi - lo) / 3, SCALE_EPS)``
 and ``zero = lo`` rounded to fp16, ``code = clamp(floor((x - zero) / scale + 0.5), 0, 3)``; dequantisation
@@ -124,10 +129,14 @@ def unpack(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 
 
 def dequantize_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                   mult: torch.Tensor | None = None) -> torch.Tensor:
+                   mult: torch.Tensor | None = None, codes_hi: torch.Tensor | None = None) -> torch.Tensor:
     """2-bit rows: codes uint8 ``[..., Hkv, d/4]``, scale/zero fp16 ``[..., Hkv, d/g]`` -> fp32 ``[..., Hkv, d]``;
-    FP8 scale/zero with ``mult`` fp32 ``[Hkv]``, the per-head multiplier."""
-    c = unpack(codes, KERNEL_BITS, group_size).float().unflatten(-1, (-1, group_size))
+    FP8 scale/zero with ``mult`` fp32 ``[Hkv]``, the per-head multiplier; 4-bit rows with ``codes_hi``, the high
+    plane (code ``lo + 4 hi``)."""
+    c = unpack(codes, KERNEL_BITS, group_size).float()
+    if codes_hi is not None:
+        c = c + 4.0 * unpack(codes_hi, KERNEL_BITS, group_size).float()
+    c = c.unflatten(-1, (-1, group_size))
     s, z = scale.float(), zero.float()
     if mult is not None:
         s, z = s * mult.float()[:, None], z * mult.float()[:, None]
@@ -170,6 +179,10 @@ def check_pool(name: str, pool: Int2Pool, kv_heads: int, head_dim: int) -> None:
         if t.dtype != meta or t.shape != (codes.shape[0], kv_heads, d // g) or t.stride(-1) != 1:
             raise ValueError(f"{name} {what} must be {str(meta).removeprefix('torch.')} [{codes.shape[0]}, {kv_heads}, "
                              f"{d // g}] with contiguous last dim, got {t.dtype} {tuple(t.shape)}")
+    hi = pool.codes_hi
+    if hi is not None and (hi.dtype != torch.uint8 or hi.shape != codes.shape or hi.stride() != codes.stride()):
+        raise ValueError(f"{name} high code plane must be uint8 {tuple(codes.shape)} with the low plane's strides, "
+                         f"got {hi.dtype} {tuple(hi.shape)} strides {hi.stride()}")
     if pool.fp8 and (pool.mult.dtype != torch.float32 or pool.mult.shape != (kv_heads,)
                      or pool.mult.device != codes.device):
         raise ValueError(f"{name} multiplier must be fp32 [{kv_heads}] on {codes.device}, got {pool.mult.dtype} "
@@ -233,27 +246,38 @@ def check_seq(name: str, t: torch.Tensor, batch: int, dtypes=(torch.int32,)) -> 
 class Int2Pool:
     """One layer's INT2 slots for K or V. ``codes`` uint8 ``[S, Hkv, d/4]``; ``scale``/``zero`` fp16 ``[S, Hkv, d/g]``
     (views of head-major storage when made by :meth:`empty`, see the module docstring); with ``mult`` (fp32
-    ``[Hkv]``, the per-head multiplier) they are float8 e4m3 instead (FP8 metadata)."""
+    ``[Hkv]``, the per-head multiplier) they are float8 e4m3 instead (FP8 metadata); with ``codes_hi`` (the high
+    2-bit plane, same shape and strides as ``codes``) the codes are 4-bit."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     group_size: int
     mult: torch.Tensor | None = None
+    codes_hi: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, slots: int, kv_heads: int, head_dim: int, group_size: int | None = None,
-              device: torch.device | str | None = None, mult: torch.Tensor | None = None) -> Int2Pool:
-        """Allocate an uninitialised pool (slots are filled by ``quantize_pack``); FP8 metadata with ``mult``."""
+              device: torch.device | str | None = None, mult: torch.Tensor | None = None, bits: int = 2) -> Int2Pool:
+        """Allocate an uninitialised pool (slots are filled by ``quantize_pack``); FP8 metadata with ``mult``,
+        4-bit codes (two planes) with ``bits=4``."""
+        if bits not in (2, 4):
+            raise ValueError(f"pool code width must be 2 or 4, got {bits}")
         g = group_size or head_dim
         check_group_size(head_dim, g)
         codes = torch.empty(kv_heads, slots, head_dim // CODES_PER_BYTE, dtype=torch.uint8, device=device)
+        codes_hi = torch.empty_like(codes).transpose(0, 1) if bits == 4 else None
         scale = torch.empty(kv_heads, slots, head_dim // g, dtype=torch.float16 if mult is None else FP8,
                             device=device)
         zero = torch.empty_like(scale)
         if mult is not None:
             mult = mult.to(device=codes.device, dtype=torch.float32).contiguous()
-        return cls(codes.transpose(0, 1), scale.transpose(0, 1), zero.transpose(0, 1), g, mult)
+        return cls(codes.transpose(0, 1), scale.transpose(0, 1), zero.transpose(0, 1), g, mult, codes_hi)
+
+    @property
+    def bits(self) -> int:
+        """Code width: 4 with a high plane, else 2."""
+        return 2 if self.codes_hi is None else 4
 
     @property
     def fp8(self) -> bool:
@@ -280,13 +304,31 @@ class Int2Pool:
         except RuntimeError:
             return None
 
+    @functools.cached_property
+    def words_hi(self) -> torch.Tensor | None:
+        """The high plane as int16 words (4-bit pools), or None."""
+        try:
+            return None if self.codes_hi is None else self.codes_hi.view(torch.int16)
+        except RuntimeError:
+            return None
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+        planes = (self.codes, self.scale, self.zero) + (() if self.codes_hi is None else (self.codes_hi,))
+        return sum(t.numel() * t.element_size() for t in planes)
 
     def dequantize(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 ``[n, Hkv, d]`` rows of ``slots`` (the definition the kernels follow)."""
-        return dequantize_ref(self.codes[slots], self.scale[slots], self.zero[slots], self.group_size, self.mult)
+        hi = None if self.codes_hi is None else self.codes_hi[slots]
+        return dequantize_ref(self.codes[slots], self.scale[slots], self.zero[slots], self.group_size, self.mult,
+                              hi)
+
+    def code_values(self, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[n, Hkv, d]`` codes of ``slots`` (0..3, or 0..15 for 4-bit pools), in rotated element order."""
+        c = unpack(self.codes[slots], KERNEL_BITS, self.group_size).float()
+        if self.codes_hi is not None:
+            c = c + 4.0 * unpack(self.codes_hi[slots], KERNEL_BITS, self.group_size).float()
+        return c
 
     def scale_zero(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 scales and zeros ``[n, Hkv, d/g]`` of ``slots``, as dequantisation reads them."""
@@ -357,6 +399,12 @@ class LayerCache:
         return self.k.fp8
 
     @property
+    def his(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V high code planes, the kernels' ``K_HI`` / ``V_HI`` (a 2-bit pool's own low plane stands in
+        as a valid pointer that is never read)."""
+        return tuple(p.codes if p.codes_hi is None else p.codes_hi for p in (self.k, self.v))
+
+    @property
     def mults(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V per-head multipliers, the kernels' ``MULT_K`` / ``MULT_V`` (with fp16 metadata the clip
         tensors stand in as valid pointers that are never read)."""
@@ -365,7 +413,7 @@ class LayerCache:
     @functools.cached_property
     def off64(self) -> bool:
         """Whether the INT2 pools need 64-bit offsets (their largest element offset reaches :data:`OFFSET64`)."""
-        ts = [t for p in (self.k, self.v) for t in (p.codes, p.scale, p.zero)]
+        ts = [t for p in (self.k, self.v) for t in (p.codes, p.scale, p.zero)]  # a high plane has the codes' strides
         return max_offset(*ts) >= OFFSET64
 
 

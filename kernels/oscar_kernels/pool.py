@@ -67,15 +67,18 @@ class Int2KVPool:
         max_requests: requests with an exact region (``req`` indices ``0 .. max_requests - 1``).
         rot_k, rot_v: fp32 ``[L, h, d, d]`` (``h = 1`` shared or ``kv_heads``).
         clip_k, clip_v: per-layer clip ratios ``[L, h]`` (or a float; default ``DEFAULT_CLIP_RATIO``), expanded to
-            ``[L, Hkv]`` on the device.
+            ``[L, Hkv]`` on the device (each width's clips: a 4-bit layer's are its 4-bit ones).
         mult_k, mult_v: FP8 metadata only (and then required): per-layer, per-KV-head power-of-two multipliers
             ``[L, Hkv]`` (the artifact's; :mod:`oscar_kernels.layout` says how they scale the stored e4m3 values).
+        widths: code width ``(K, V)`` of each of the pool's layers (2 or 4); default the scheme's
+            (``scheme.width(i, ...)`` of layer ``i``: the pool's layers are the model's, from 0).
         device: where everything lives.
     """
 
     def __init__(self, scheme: QuantScheme, num_layers: int, kv_heads: int, head_dim: int, num_slots: int,
                  max_requests: int, rot_k: torch.Tensor, rot_v: torch.Tensor, clip_k=None, clip_v=None,
-                 device: torch.device | str | None = None, mult_k=None, mult_v=None):
+                 device: torch.device | str | None = None, mult_k=None, mult_v=None,
+                 widths: list[tuple[int, int]] | None = None):
         why = scheme.kernel_support(head_dim, torch.device(device).type if device is not None else None)
         if why is not None:
             raise SchemeError(f"scheme {scheme.describe()} cannot run in the kernels: {why}")
@@ -87,6 +90,13 @@ class Int2KVPool:
         rv = _rots(rot_v, "rot_v", num_layers, kv_heads, d, device)
         ck = _clips(clip_k, num_layers, kv_heads, device)
         cv = _clips(clip_v, num_layers, kv_heads, device)
+        if widths is None:
+            self.scheme.check_layers(num_layers)
+            widths = [(self.scheme.width(i, "k"), self.scheme.width(i, "v")) for i in range(num_layers)]
+        if len(widths) != num_layers or any(w not in (2, 4) for pair in widths for w in pair):
+            raise ValueError(f"widths must give (K, V) code widths of 2 or 4 for each of {num_layers} layers, "
+                             f"got {widths}")
+        self.widths = [tuple(w) for w in widths]
         fp8 = self.scheme.scale_dtype == "fp8"
         mk = _mults(mult_k, "mult_k", num_layers, kv_heads, device) if fp8 else [None] * num_layers
         mv = _mults(mult_v, "mult_v", num_layers, kv_heads, device) if fp8 else [None] * num_layers
@@ -94,8 +104,8 @@ class Int2KVPool:
         self._layers = []
         for i in range(num_layers):
             self._layers.append(LayerCache(
-                k=Int2Pool.empty(num_slots, kv_heads, d, g, device=device, mult=mk[i]),
-                v=Int2Pool.empty(num_slots, kv_heads, d, g, device=device, mult=mv[i]),
+                k=Int2Pool.empty(num_slots, kv_heads, d, g, device=device, mult=mk[i], bits=self.widths[i][0]),
+                v=Int2Pool.empty(num_slots, kv_heads, d, g, device=device, mult=mv[i], bits=self.widths[i][1]),
                 k_bf16=torch.empty(rows, kv_heads, d, dtype=torch.bfloat16, device=device),
                 v_bf16=torch.empty(rows, kv_heads, d, dtype=torch.bfloat16, device=device),
                 rot_k=rk[i], rot_v=rv[i], clip_k=ck[i], clip_v=cv[i],
@@ -156,8 +166,7 @@ class Int2KVPool:
         ko, vo = (c.k_bf16, c.v_bf16) if bf16_out is None else bf16_out
         if bf16_loc is None:
             ko = vo = None
-        quantize_pack_kv(k, v, c.rot_k, c.rot_v, c.clip_k, c.clip_v, (c.k.codes, c.k.scale, c.k.zero, c.k.mult),
-                         (c.v.codes, c.v.scale, c.v.zero, c.v.mult), loc, self.group_size,
+        quantize_pack_kv(k, v, c.rot_k, c.rot_v, c.clip_k, c.clip_v, c.k, c.v, loc, self.group_size,
                          bf16_out=None if ko is None else (ko, vo), bf16_loc=bf16_loc, q=q, q_out=q_out,
                          q_scale=q_scale, **tuning)
 
@@ -172,11 +181,11 @@ class Int2KVPool:
     # ------------------------------------------------------------------------------------------------ bytes
     @property
     def cell_bytes(self) -> int:
-        """INT2 bytes of one token slot over all layers, K and V: codes ``d/4`` + scale and zero per group (two
-        bytes each in fp16, one in FP8)."""
+        """Quantized bytes of one token slot over all layers, K and V: codes ``d * bits / 8`` + scale and zero per
+        group (two bytes each in fp16, one in FP8)."""
         d, g = self.head_dim, self.group_size
         meta = self.scheme.meta_bits // 8  # scale and zero of one group
-        return self.num_layers * 2 * self.kv_heads * (d // 4 + meta * (d // g))
+        return self.kv_heads * sum(d * w // 8 + meta * (d // g) for pair in self.widths for w in pair)
 
     @property
     def exact_bytes(self) -> int:

@@ -37,7 +37,8 @@ META_BITS = {"fp16": 32, "fp8": 16}
 WIDTHS = (2, 4)
 LEVELS = ("uniform", "fitted", "gaussian")
 KERNEL_BITS = 2
-"""Code width the Triton kernels implement."""
+"""Code width of the kernels' bit planes: 2-bit codes are one plane, 4-bit codes two (see
+:mod:`oscar_kernels.layout`)."""
 CUDA_MIN_HEAD_DIM = 64
 """Smallest head dim the decode kernel is run at on CUDA. At 32 (test-size models) the H200 (Triton 3.6) computed
 wrong decode attention (relative error ~0.3 against the reference) while the interpreter, the extend and write
@@ -155,11 +156,6 @@ class QuantScheme:
         anywhere they run), or None when they can."""
         if device_type == "cuda" and (why := cuda_head_dim_refusal(head_dim)) is not None:
             return why
-        if self.bits != KERNEL_BITS:
-            return f"the kernels implement {KERNEL_BITS}-bit codes, the scheme has {self.bits}"
-        if self.mixed:
-            return (f"the kernels implement {KERNEL_BITS}-bit codes in every layer, the scheme allocates 4-bit codes "
-                    f"to some (bits_k/bits_v)")
         if self.center_keys:
             return "the kernels store keys uncentered, the scheme centers them (center_keys)"
         if self.levels != "uniform":

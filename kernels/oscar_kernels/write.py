@@ -42,6 +42,7 @@ from .layout import (
     FP8_MIN_STEP,
     KERNEL_BITS,
     SCALE_EPS,
+    Int2Pool,
     check_bf16,
     check_clip,
     check_group_size,
@@ -199,7 +200,7 @@ def _fp8_grid(v):
 @triton.jit
 def _quantize_pack_rows(
     pid_n, h,
-    X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC, MULT,
+    X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC, MULT, CODES_HI,
     n_tokens, clip_ratio, scale_eps,
     stride_xn, stride_xh, stride_xd,
     stride_rh, stride_rr, stride_rc,
@@ -213,7 +214,8 @@ def _quantize_pack_rows(
     STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr, META_FP8: tl.constexpr,
 ):
     """Block ``pid_n`` of tokens, KV head ``h``, of one of K or V (the body of both kernels below); FP8 metadata
-    (``META_FP8``) stores scale and zero over KV head ``h``'s multiplier ``MULT[h]``."""
+    (``META_FP8``) stores scale and zero over KV head ``h``'s multiplier ``MULT[h]``; 4-bit codes (``MAX_CODE``
+    15) store their high plane at ``CODES_HI`` (the low plane's strides)."""
     D4: tl.constexpr = HEAD_DIM // 4
     BQ: tl.constexpr = GROUP_SIZE // 4
     NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
@@ -273,11 +275,14 @@ def _quantize_pack_rows(
         c1 = tl.clamp(tl.floor(tl.math.div_rn(y1 - z, s) + 0.5), 0.0, TOP).to(tl.uint8)
         c2 = tl.clamp(tl.floor(tl.math.div_rn(y2 - z, s) + 0.5), 0.0, TOP).to(tl.uint8)
         c3 = tl.clamp(tl.floor(tl.math.div_rn(y3 - z, s) + 0.5), 0.0, TOP).to(tl.uint8)
-        packed = tl.reshape(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6), (BLOCK_N, D4))
+        packed = tl.reshape((c0 & 3) | ((c1 & 3) << 2) | ((c2 & 3) << 4) | ((c3 & 3) << 6), (BLOCK_N, D4))
 
         slot = tl.load(LOC + offs_n, mask=mask_n, other=0).to(tl.int64)
         m2 = mask_n[:, None]
         tl.store(CODES + slot[:, None] * stride_cs + h * stride_ch + offs_m[None, :], packed, mask=m2)
+        if MAX_CODE > 3:  # 4-bit codes: the high two bits in their own plane, same layout
+            packed_hi = tl.reshape((c0 >> 2) | ((c1 >> 2) << 2) | ((c2 >> 2) << 4) | ((c3 >> 2) << 6), (BLOCK_N, D4))
+            tl.store(CODES_HI + slot[:, None] * stride_cs + h * stride_ch + offs_m[None, :], packed_hi, mask=m2)
         offs_g = tl.arange(0, NG)
         tl.store(SCALE + slot[:, None] * stride_ss + h * stride_sh + offs_g[None, :],
                  tl.reshape(scale16, (BLOCK_N, NG)), mask=m2)
@@ -287,7 +292,7 @@ def _quantize_pack_rows(
 
 @triton.jit
 def _quantize_pack_kv_kernel(
-    K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC, K_BF16, K_BLOC, K_MULT,
+    K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC, K_BF16, K_BLOC, K_MULT, K_CODES_HI,
     K_n_tokens, K_clip_ratio, K_scale_eps,
     K_stride_xn, K_stride_xh, K_stride_xd,
     K_stride_rh, K_stride_rr, K_stride_rc,
@@ -295,7 +300,7 @@ def _quantize_pack_kv_kernel(
     K_stride_ss, K_stride_sh,
     K_stride_zs, K_stride_zh,
     K_stride_bs, K_stride_bh,
-    V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC, V_BF16, V_BLOC, V_MULT,
+    V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC, V_BF16, V_BLOC, V_MULT, V_CODES_HI,
     V_n_tokens, V_clip_ratio, V_scale_eps,
     V_stride_xn, V_stride_xh, V_stride_xd,
     V_stride_rh, V_stride_rr, V_stride_rc,
@@ -320,7 +325,7 @@ def _quantize_pack_kv_kernel(
     ``K_ROT[h]`` into ``Q_OUT``."""
     if tl.program_id(2) == 0:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC,
-                            K_BF16, K_BLOC, K_MULT, K_n_tokens, K_clip_ratio, K_scale_eps, K_stride_xn, K_stride_xh,
+                            K_BF16, K_BLOC, K_MULT, K_CODES_HI, K_n_tokens, K_clip_ratio, K_scale_eps, K_stride_xn, K_stride_xh,
                             K_stride_xd, K_stride_rh, K_stride_rr, K_stride_rc, K_stride_cs, K_stride_ch, K_stride_ss,
                             K_stride_sh, K_stride_zs, K_stride_zh, K_stride_bs, K_stride_bh,
                             HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
@@ -329,7 +334,7 @@ def _quantize_pack_kv_kernel(
                             META_FP8=META_FP8)
     elif tl.program_id(2) < KV_PROGRAMS:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC,
-                            V_BF16, V_BLOC, V_MULT, V_n_tokens, V_clip_ratio, V_scale_eps, V_stride_xn, V_stride_xh,
+                            V_BF16, V_BLOC, V_MULT, V_CODES_HI, V_n_tokens, V_clip_ratio, V_scale_eps, V_stride_xn, V_stride_xh,
                             V_stride_xd, V_stride_rh, V_stride_rr, V_stride_rc, V_stride_cs, V_stride_ch, V_stride_ss,
                             V_stride_sh, V_stride_zs, V_stride_zh, V_stride_bs, V_stride_bh,
                             HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
@@ -354,7 +359,8 @@ def _check_clip(clip: float | torch.Tensor | None, hkv: int) -> float | torch.Te
     return float(clip)
 
 
-def _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult=None):
+def _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult=None,
+                codes_hi=None):
     """Shared by the kernel launcher and the reference: returns ``(g, clip)``."""
     n, hkv, d = x.shape
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -378,6 +384,10 @@ def _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf1
             if t.dtype != meta or t.shape != (codes.shape[0], hkv, d // g) or t.stride(-1) != 1:
                 raise ValueError(f"{name} must be {str(meta).removeprefix('torch.')} [{codes.shape[0]}, {hkv}, "
                                  f"{d // g}] with contiguous last dim (FP8 with a multiplier), got {t.dtype}")
+        if codes_hi is not None and (codes_hi.dtype != torch.uint8 or codes_hi.shape != codes.shape
+                                     or codes_hi.stride() != codes.stride()):
+            raise ValueError(f"codes_hi (4-bit codes' high plane) must be uint8 {tuple(codes.shape)} with the codes' "
+                             f"strides, got {codes_hi.dtype} {tuple(codes_hi.shape)}")
         if mult is not None and (mult.dtype != torch.float32 or mult.shape != (hkv,) or mult.device != codes.device):
             raise ValueError(f"mult must be an fp32 [{hkv}] tensor on {codes.device}, got {mult.dtype} "
                              f"{tuple(mult.shape)} on {mult.device}")
@@ -411,6 +421,7 @@ def quantize_pack(
     num_warps: int = DEFAULT_WARPS,
     rot_rows: int = DEFAULT_ROT_ROWS,
     mult: torch.Tensor | None = None,
+    codes_hi: torch.Tensor | None = None,
 ) -> None:
     """Quantize new rows into their slots (and optionally store their rotated exact rows), in place, one launch.
 
@@ -438,9 +449,11 @@ def quantize_pack(
             them where that holds at most ``ROT_ELEMS_PER_THREAD`` per thread).
         mult: FP8 metadata: fp32 ``[Hkv]`` per-head multiplier (scale and zero stored as e4m3 of ``value / mult``,
             see :mod:`oscar_kernels.layout`); None: fp16 metadata.
+        codes_hi: 4-bit codes: their high 2-bit plane (uint8, ``codes``' shape and strides; ``codes`` gets the low
+            plane, the scale spans 15 steps); None: 2-bit codes.
     """
     args, meta = _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
-                              rot_precision, rot_rows, num_warps, mult)
+                              rot_precision, rot_rows, num_warps, mult, codes_hi)
     _launch(x.shape, args, args, meta, block_n, num_warps)
 
 
@@ -477,9 +490,10 @@ def _q_args(q: torch.Tensor, q_out: torch.Tensor, q_scale: float, k: torch.Tenso
 
 def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
                  rot_precision, rot_rows: int = DEFAULT_ROT_ROWS, num_warps: int = DEFAULT_WARPS,
-                 mult: torch.Tensor | None = None) -> tuple[list, dict]:
+                 mult: torch.Tensor | None = None, codes_hi: torch.Tensor | None = None) -> tuple[list, dict]:
     """Checked arguments of one K or V write: (pointer/scalar/stride list, compile-time parameters)."""
-    g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult)
+    g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult,
+                          codes_hi)
     n, hkv, d = x.shape
     if codes is None:
         check_group_size(d, g)
@@ -490,8 +504,9 @@ def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf
     c_t, s_t, z_t, l_t = (codes, scale, zero, out_cache_loc) if store_codes else (x, x, x, x)
     b_t, bl_t = (bf16_out, bf16_loc) if store_bf16 else (x, x)
     fp8 = store_codes and mult is not None
+    four = store_codes and codes_hi is not None
     args = [
-        x, rot_t, clip if per_head else x, c_t, s_t, z_t, l_t, b_t, bl_t, mult if fp8 else x,
+        x, rot_t, clip if per_head else x, c_t, s_t, z_t, l_t, b_t, bl_t, mult if fp8 else x, codes_hi if four else x,
         n, DEFAULT_CLIP_RATIO if per_head else clip, SCALE_EPS,
         *x.stride(), *rot_strides,
         *(c_t.stride()[:2] if store_codes else (0, 0)), *(s_t.stride()[:2] if store_codes else (0, 0)),
@@ -505,7 +520,8 @@ def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf
     meta = dict(HEAD_DIM=d, GROUP_SIZE=g, ROTATE=rotate, ROT_PER_HEAD=rotate and rot.shape[0] > 1,
                 CLIP_PER_HEAD=per_head, PRECISION="ieee" if fma else rot_precision,
                 ROT_FMA=(rot_rows or fma_rot_rows(d, num_warps)) if fma else 0,
-                STORE_CODES=store_codes, STORE_BF16=store_bf16, MAX_CODE=LEVELS, META_FP8=fp8)
+                STORE_CODES=store_codes, STORE_BF16=store_bf16, MAX_CODE=15 if four else LEVELS,
+                META_FP8=fp8)
     return args, meta
 
 
@@ -532,8 +548,9 @@ def quantize_pack_kv(
 ) -> None:
     """:func:`quantize_pack` of the K and the V rows of the same tokens in one launch (grid ``[blocks, Hkv, 2]``).
 
-    ``k_slots``/``v_slots``: ``(codes, scale, zero)`` of each, ``(codes, scale, zero, mult)`` with FP8 metadata (or
-    ``None`` for exact rows only), ``bf16_out``:
+    ``k_slots``/``v_slots``: each one's :class:`~oscar_kernels.layout.Int2Pool` (any width and metadata), or
+    ``(codes, scale, zero)`` / ``(codes, scale, zero, mult)`` (2-bit codes; FP8 metadata with ``mult``), or ``None``
+    for exact rows only; ``bf16_out``:
     ``(k_rows, v_rows)``; the rest as :func:`quantize_pack`, per K and V where named so. Results equal two
     :func:`quantize_pack` calls. When K and V differ in what the kernel is compiled for (one rotated and the other
     not, per-head clips for one only, ...), it makes those two launches instead.
@@ -546,11 +563,11 @@ def quantize_pack_kv(
     if v.shape != k.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     ko, vo = bf16_out if bf16_out is not None else (None, None)
-    (kc, ks, kz, kmult), (vc, vs, vz, vmult) = (_slots(k_slots), _slots(v_slots))
+    (kc, ks, kz, kmult, khi), (vc, vs, vz, vmult, vhi) = (_slots(k_slots), _slots(v_slots))
     ka, km = _launch_args(k, rot_k, clip_k, kc, ks, kz, out_cache_loc, group_size, ko, bf16_loc,
-                          rot_precision, rot_rows, num_warps, kmult)
+                          rot_precision, rot_rows, num_warps, kmult, khi)
     va, vm = _launch_args(v, rot_v, clip_v, vc, vs, vz, out_cache_loc, group_size, vo, bf16_loc,
-                          rot_precision, rot_rows, num_warps, vmult)
+                          rot_precision, rot_rows, num_warps, vmult, vhi)
     qa, gqa = _q_args(q, q_out, q_scale, k, rot_k) if q is not None else (None, 1)
     if km == vm:
         _launch(k.shape, ka, va, km, block_n, num_warps, qa, gqa)
@@ -560,12 +577,15 @@ def quantize_pack_kv(
 
 
 def _slots(slots) -> tuple:
-    """``None`` / ``(codes, scale, zero)`` / ``(codes, scale, zero, mult)`` -> a 4-tuple."""
+    """``None`` / an :class:`Int2Pool` / ``(codes, scale, zero)`` / ``(codes, scale, zero, mult)`` -> ``(codes,
+    scale, zero, mult, codes_hi)``."""
     if slots is None:
-        return None, None, None, None
+        return None, None, None, None, None
+    if isinstance(slots, Int2Pool):
+        return slots.codes, slots.scale, slots.zero, slots.mult, slots.codes_hi
     if len(slots) not in (3, 4):
         raise ValueError(f"slots must be (codes, scale, zero) or (codes, scale, zero, mult), got {len(slots)} items")
-    return (*slots, None) if len(slots) == 3 else tuple(slots)
+    return (*slots, None, None) if len(slots) == 3 else (*slots, None)
 
 
 def rotate_q_ref(q: torch.Tensor, rot_k: torch.Tensor, q_scale: float = 1.0) -> torch.Tensor:
@@ -589,9 +609,11 @@ def quantize_pack_ref(
     bf16_out: torch.Tensor | None = None,
     bf16_loc: torch.Tensor | None = None,
     mult: torch.Tensor | None = None,
+    codes_hi: torch.Tensor | None = None,
 ) -> None:
     """Plain fp32 torch definition of :func:`quantize_pack` (same arguments, same in-place writes)."""
-    g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult)
+    g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult,
+                          codes_hi)
     n, hkv, d = x.shape
     xr = x.float()
     if rot is not None:
@@ -607,7 +629,8 @@ def quantize_pack_ref(
     mid = (mx + mn) * 0.5
     half = (mx - mn) * 0.5 * r
     lo, hi = mid - half, mid + half
-    s16 = ((hi - lo) / LEVELS).clamp_min(SCALE_EPS)
+    top = 15 if codes_hi is not None else LEVELS
+    s16 = ((hi - lo) / top).clamp_min(SCALE_EPS)
     if mult is None:
         s16, z16 = s16.to(torch.float16), lo.to(torch.float16)
         sf, zf = s16.float(), z16.float()
@@ -616,9 +639,10 @@ def quantize_pack_ref(
         s16 = to_fp8(s16 / m, FP8_MIN_STEP, FP8_MAX)
         z16 = to_fp8(lo / m, -FP8_MAX, FP8_MAX)
         sf, zf = s16.float() * m, z16.float() * m
-    c = torch.floor((xg - zf.unsqueeze(-1)) / sf.unsqueeze(-1) + 0.5).clamp_(0, LEVELS)
-    packed = pack(c.flatten(-2).to(torch.uint8), KERNEL_BITS, g)
+    c = torch.floor((xg - zf.unsqueeze(-1)) / sf.unsqueeze(-1) + 0.5).clamp_(0, top).flatten(-2).to(torch.uint8)
     loc = out_cache_loc.long()
-    codes[loc] = packed.to(codes.device)
+    codes[loc] = pack(c & 3, KERNEL_BITS, g).to(codes.device)
+    if codes_hi is not None:
+        codes_hi[loc] = pack(c >> 2, KERNEL_BITS, g).to(codes.device)
     scale[loc] = s16.to(scale.device)
     zero[loc] = z16.to(zero.device)

@@ -51,16 +51,19 @@ def poison_kv_pool(pool, gen: torch.Generator) -> None:
 
 
 def poisoned_pool(slots: int, hkv: int, d: int, g: int, gen: torch.Generator, head_major: bool = True,
-                  mult: torch.Tensor | None = None) -> Int2Pool:
+                  mult: torch.Tensor | None = None, bits: int = 2) -> Int2Pool:
     """Random codes, NaN scales/zeros: a slot nobody wrote poisons any attention that reads it. FP8 metadata with
-    ``mult`` (fp32 ``[hkv]``)."""
+    ``mult`` (fp32 ``[hkv]``), 4-bit codes (two planes) with ``bits=4``."""
     meta = torch.float16 if mult is None else torch.float8_e4m3fn
-    pool = Int2Pool.empty(slots, hkv, d, g, device=DEVICE, mult=mult) if head_major else Int2Pool(
+    pool = Int2Pool.empty(slots, hkv, d, g, device=DEVICE, mult=mult, bits=bits) if head_major else Int2Pool(
         torch.empty(slots, hkv, d // 4, dtype=torch.uint8, device=DEVICE),
         torch.empty(slots, hkv, d // g, dtype=meta, device=DEVICE),
         torch.empty(slots, hkv, d // g, dtype=meta, device=DEVICE), g,
-        None if mult is None else mult.to(DEVICE))
+        None if mult is None else mult.to(DEVICE),
+        torch.empty(slots, hkv, d // 4, dtype=torch.uint8, device=DEVICE) if bits == 4 else None)
     pool.codes.copy_(torch.randint(0, 256, (slots, hkv, d // 4), generator=gen, dtype=torch.uint8))
+    if pool.codes_hi is not None:
+        pool.codes_hi.copy_(torch.randint(0, 256, (slots, hkv, d // 4), generator=gen, dtype=torch.uint8))
     pool.scale.fill_(float("nan"))
     pool.zero.fill_(float("nan"))
     return pool
@@ -91,11 +94,12 @@ def fp8_mults(hkv: int, gen: torch.Generator) -> torch.Tensor:
 
 def make_cache(int2_lens: list[int], bf16_lens: list[int], hkv: int, d: int, g: int, gen: torch.Generator,
                shared_rot: bool = False, clip_k: float = 0.9, clip_v: float = 1.0, head_major: bool = True,
-               fp8: bool = False) -> Lists:
+               fp8: bool = False, bits: tuple[int, int] = (2, 2)) -> Lists:
     """Quantise random K/V (with a few outlier channels) into scattered slots; free slots hold NaN scales/rows.
 
     INT2 pools are head-major (``Int2Pool``'s layout) unless ``head_major=False`` (plain contiguous [S, Hkv, ...]);
-    ``fp8``: FP8 scales and zeros with per-head multipliers (:func:`fp8_mults`)."""
+    ``fp8``: FP8 scales and zeros with per-head multipliers (:func:`fp8_mults`); ``bits``: the K and V code widths
+    (4: two planes)."""
     n_rot = 1 if shared_rot else hkv
     rot_k, rot_v = random_rotation(n_rot, d, gen), random_rotation(n_rot, d, gen)
     nnz, nnz_b = sum(int2_lens), sum(bf16_lens)
@@ -104,10 +108,11 @@ def make_cache(int2_lens: list[int], bf16_lens: list[int], hkv: int, d: int, g: 
     bf16_indptr, bf16_indices = ragged(bf16_lens, slots_b, gen)
     outlier = outliers(d, gen)
     pools = []
-    for rot, clip in ((rot_k, clip_k), (rot_v, clip_v)):
+    for rot, clip, width in ((rot_k, clip_k, bits[0]), (rot_v, clip_v, bits[1])):
         x = (torch.randn(nnz, hkv, d, generator=gen) * outlier).to(DEVICE)
-        pool = poisoned_pool(slots, hkv, d, g, gen, head_major, fp8_mults(hkv, gen) if fp8 else None)
-        quantize_pack_ref(x, rot, clip, pool.codes, pool.scale, pool.zero, kv_indices, g, mult=pool.mult)
+        pool = poisoned_pool(slots, hkv, d, g, gen, head_major, fp8_mults(hkv, gen) if fp8 else None, width)
+        quantize_pack_ref(x, rot, clip, pool.codes, pool.scale, pool.zero, kv_indices, g, mult=pool.mult,
+                          codes_hi=pool.codes_hi)
         pools.append(pool)
     k_bf16 = torch.full((slots_b, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     v_bf16 = torch.full_like(k_bf16, float("nan"))
@@ -187,14 +192,15 @@ class ExtendCase:
 
 
 def extend_case(seqs: list[tuple[int, int, int]], sink: int, recent: int, hkv: int, gqa: int, d: int, g: int,
-                gen: torch.Generator, unused_tail: int = 0, fp8: bool = False) -> ExtendCase:
+                gen: torch.Generator, unused_tail: int = 0, fp8: bool = False,
+                bits: tuple[int, int] = (2, 2)) -> ExtendCase:
     """Hand-built extend lists (no plan) for sequences ``(start, c0, m)``: a chunk of ``m`` tokens after ``c0`` cached
     ones, Design P lists (INT2 slots of ``[sink_end, c1 - recent)``, cached exact rows of the prefix's sinks and
     ring), scattered slots and rows, NaN in everything unlisted. ``unused_tail``: append that many INT2 elements
     past the used range and put that many exact rows at position ``start + sink`` before the others, all NaN, which
     no query may read (needs ``c0 >= start + sink + recent`` and ``recent >= 1``; a multiple of the key tile, so
-    that the exact ones fill whole tiles). ``fp8``: FP8 scales and zeros (:func:`fp8_mults`; Design P's reference
-    then does not describe the INT2 rows, :func:`extend_int2_ref` does)."""
+    that the exact ones fill whole tiles). ``fp8``: FP8 scales and zeros (:func:`fp8_mults`), ``bits``: K and V code
+    widths (Design P's reference describes 2-bit fp16 rows only; :func:`extend_int2_ref` describes all)."""
     rot_k, rot_v = random_rotation(hkv, d, gen), random_rotation(hkv, d, gen)
     clip_k = (0.6 + 0.4 * torch.rand(hkv, generator=gen)).to(DEVICE)
     clip_v = (0.6 + 0.4 * torch.rand(hkv, generator=gen)).to(DEVICE)
@@ -215,8 +221,8 @@ def extend_case(seqs: list[tuple[int, int, int]], sink: int, recent: int, hkv: i
     slots, rows = n_int2 + 5, n_ex + 4
     perm_s = (torch.randperm(slots - 1, generator=gen)[:n_int2] + 1).tolist()
     perm_r = (torch.randperm(rows - 1, generator=gen)[:n_ex] + 1).tolist()
-    kp = poisoned_pool(slots, hkv, d, g, gen, mult=fp8_mults(hkv, gen) if fp8 else None)
-    vp = poisoned_pool(slots, hkv, d, g, gen, mult=fp8_mults(hkv, gen) if fp8 else None)
+    kp = poisoned_pool(slots, hkv, d, g, gen, mult=fp8_mults(hkv, gen) if fp8 else None, bits=bits[0])
+    vp = poisoned_pool(slots, hkv, d, g, gen, mult=fp8_mults(hkv, gen) if fp8 else None, bits=bits[1])
     kx = torch.full((rows, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     vx = torch.full_like(kx, float("nan"))
     kv_lens, ex_lens, kv_idx, ex_idx, ex_p = [], [], [], [], []
@@ -225,8 +231,10 @@ def extend_case(seqs: list[tuple[int, int, int]], sink: int, recent: int, hkv: i
         rw = [perm_r.pop() for _ in ep]
         if ip:
             loc = torch.tensor(sl, device=DEVICE)
-            quantize_pack_ref(hist.k[ip], rot_k, clip_k, kp.codes, kp.scale, kp.zero, loc, g, mult=kp.mult)
-            quantize_pack_ref(hist.v[ip], rot_v, clip_v, vp.codes, vp.scale, vp.zero, loc, g, mult=vp.mult)
+            quantize_pack_ref(hist.k[ip], rot_k, clip_k, kp.codes, kp.scale, kp.zero, loc, g, mult=kp.mult,
+                              codes_hi=kp.codes_hi)
+            quantize_pack_ref(hist.v[ip], rot_v, clip_v, vp.codes, vp.scale, vp.zero, loc, g, mult=vp.mult,
+                              codes_hi=vp.codes_hi)
         if ep:
             r = torch.tensor(rw, device=DEVICE)
             quantize_pack_ref(hist.k[ep], rot_k, None, None, None, None, None, g, bf16_out=kx, bf16_loc=r)

@@ -87,6 +87,22 @@ def test_extend_fp8_metadata(path, d, group):
 
 
 @pytest.mark.parametrize("path", PATHS[:2])
+@pytest.mark.parametrize("d,group,bits", [(64, 32, (4, 2)), (128, "row", (2, 4)), (64, "row", (4, 4))])
+def test_extend_four_bit_layers(path, d, group, bits):
+    """4-bit keys and/or values (two code planes) through both paths, against the reference's dequantisation."""
+    g = d if group == "row" else group
+    gen = torch.Generator().manual_seed(11 + d + g + sum(bits))
+    case = extend_case(SEQS, SINK, RECENT, HKV, 4, d, g, gen, bits=bits)
+    assert (case.cache.k.bits, case.cache.v.bits) == bits
+    got = _extend(path, case, out=torch.full(case.q.shape, float("nan"), device=DEVICE), **BLOCKS)
+    real = real_rows(case)
+    ref = extend_int2_ref(case.q, case.k_new, case.v_new, case.cache, case.index)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[real].float(), ref[real], **TOL)
+    assert rel_err(got[real], ref[real]) <= MAX_REL
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
 @pytest.mark.parametrize("sink,recent", [(0, 5), (4, 0), (0, 0), (2, 1), (6, 100)])
 def test_extend_window_variants(sink, recent, path):
     """No sinks, no recent window (the query's own key through INT2), neither, a one-token window, a window longer

@@ -128,7 +128,7 @@ def test_layers_and_accounting():
 def test_refuses_what_the_kernels_cannot_run():
     gen = torch.Generator().manual_seed(4)
     rot = torch.eye(D).expand(L, 1, D, D)
-    for scheme, d in ((QuantScheme(bits=4), D), (QuantScheme(group=8), D), (QuantScheme(), 80)):
+    for scheme, d in ((QuantScheme(levels="fitted"), D), (QuantScheme(group=8), D), (QuantScheme(), 80)):
         with pytest.raises(SchemeError, match="kernels"):
             Int2KVPool(scheme, L, HKV, d, 8, 1, torch.eye(d).expand(L, 1, d, d), torch.eye(d).expand(L, 1, d, d))
     with pytest.raises(ValueError, match="clip"):
@@ -170,3 +170,33 @@ def test_fp8_metadata_pool():
     qwen = Int2KVPool(QuantScheme(scale_dtype="fp8"), 36, 8, 128, 2, 1, eye, eye, device=DEVICE, mult_k=ones,
                       mult_v=ones)
     assert qwen.cell_bytes * 8 / (36 * 2 * 8 * 128) == 2.125
+
+
+def test_mixed_widths_pool():
+    """A scheme's allocation (4-bit keys in layer 0, 4-bit values in layer 1): each layer's pools have their
+    widths, the write stores them as the reference does, the cell counts each layer's bytes; explicit ``widths``
+    override the scheme (a pool of a model's quantized layers only)."""
+    gen = torch.Generator().manual_seed(9)
+    scheme = QuantScheme(group=32, sink=2, recent=4, bits_k=(4, 2), bits_v=(2, 4))
+    rot = torch.stack([random_rotation(HKV, D, gen) for _ in range(L)])
+    pool = Int2KVPool(scheme, L, HKV, D, 40, 3, rot, rot, device=DEVICE)
+    assert [(c.k.bits, c.v.bits) for c in (pool.layer(0), pool.layer(1))] == [(4, 2), (2, 4)]
+    # per layer: one 4-bit and one 2-bit kind, fp16 scale and zero per 32-element group
+    assert pool.cell_bytes == L * HKV * (D // 2 + D // 4 + 2 * 4 * (D // 32))
+    n = 9
+    k = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    loc = torch.randperm(40, generator=gen)[:n].to(DEVICE)
+    for i in range(L):
+        c = pool.layer(i)
+        pool.write(i, loc, k, v)
+        for x, p, r in ((k, c.k, c.rot_k), (v, c.v, c.rot_v)):
+            want = Int2Pool.empty(40, HKV, D, 32, device=DEVICE, bits=p.bits)
+            quantize_pack_ref(x, r, 1.0, want.codes, want.scale, want.zero, loc, 32, codes_hi=want.codes_hi)
+            lo = loc.long()
+            assert (p.code_values(lo) != want.code_values(lo)).float().mean() < 1e-2
+            torch.testing.assert_close(p.dequantize(lo), want.dequantize(lo), atol=2e-2, rtol=2e-2)
+    narrow = Int2KVPool(QuantScheme(group=32), 1, HKV, D, 8, 1, rot[:1], rot[:1], widths=[(4, 4)])
+    assert narrow.layer(0).k.bits == narrow.layer(0).v.bits == 4
+    with pytest.raises(SchemeError, match="3 layers"):
+        Int2KVPool(QuantScheme(group=32, bits_k=(2, 4, 2), bits_v=(2, 2, 2)), L, HKV, D, 8, 1, rot, rot)

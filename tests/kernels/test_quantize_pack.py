@@ -160,6 +160,48 @@ def test_kernel_fp8_metadata_is_bit_exact(d, group):
     torch.testing.assert_close(fused.dequantize(lo), want.dequantize(lo), atol=0.1, rtol=0.1)
 
 
+@pytest.mark.parametrize("d,group,fp8", [(64, 32, False), (128, "row", True)])
+def test_kernel_four_bit_codes_are_bit_exact(d, group, fp8):
+    """4-bit codes as two 2-bit planes (low plane in ``codes``, high in ``codes_hi``): the kernel writes the
+    reference's bytes pre-rotated (codes within the rotation's rounding when it rotates), with fp16 or FP8
+    scales; the pure-torch quantizer's 4-bit codes are the same codes; the ``Int2Pool`` path of
+    ``quantize_pack_kv`` (K 4-bit, V 2-bit: two launches) writes what two single writes do."""
+    quantizer = pytest.importorskip("oscar_cli.quantizer")
+    from oscar_kernels import quantize_pack_kv
+
+    g = d if group == "row" else group
+    gen = torch.Generator().manual_seed(d + g + 4)
+    hkv, slots = 2, N_TOK + 5
+    x = _x(N_TOK, hkv, d, gen, torch.float32)
+    mult = torch.tensor([2.0 ** -5, 2.0 ** -4], device=DEVICE) if fp8 else None
+    loc = torch.randperm(slots, generator=gen)[:N_TOK].to(DEVICE)
+    clip = torch.tensor([1.0, 0.95], device=DEVICE)
+    pools = [Int2Pool.empty(slots, hkv, d, g, device=DEVICE, mult=mult, bits=4) for _ in range(3)]
+    for p in pools:
+        p.codes.zero_()
+        p.codes_hi.zero_()
+    got, want, fused = pools
+    quantize_pack(x, None, clip, got.codes, got.scale, got.zero, loc, g, mult=mult, codes_hi=got.codes_hi)
+    quantize_pack_ref(x, None, clip, want.codes, want.scale, want.zero, loc, g, mult=mult, codes_hi=want.codes_hi)
+    lo = loc.long()
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.codes_hi, want.codes_hi)
+    view = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)
+    assert torch.equal(view(got.scale[lo]), view(want.scale[lo])) and torch.equal(view(got.zero[lo]), view(want.zero[lo]))
+    codes = got.code_values(lo)
+    assert codes.max() == 15 and codes.min() == 0 and (codes > 3).float().mean() > 0.5  # both planes used
+    order = lo.argsort()
+    ref = quantizer.quantize(x[order], clip.view(hkv, 1), bits=4, group=g, meta="fp8" if fp8 else "fp16",
+                             mult=None if mult is None else mult.view(hkv, 1))
+    assert torch.equal(unpack(ref.codes, 4, g).float(), codes[order])
+    rot = random_rotation(hkv, d, gen)
+    v_pool = Int2Pool.empty(slots, hkv, d, g, device=DEVICE, mult=mult)
+    quantize_pack_kv(x, x, rot, rot, clip, clip, fused, v_pool, loc, g)
+    quantize_pack_ref(x, rot, clip, want.codes, want.scale, want.zero, loc, g, mult=mult, codes_hi=want.codes_hi)
+    cg, cw = fused.code_values(lo), want.code_values(lo)
+    assert (cg - cw).abs().max() <= 1 and (cg != cw).float().mean() < 2e-3
+    assert v_pool.bits == 2 and v_pool.code_values(lo).max() == 3
+
+
 def test_kernel_rejects_bad_args():
     gen = torch.Generator().manual_seed(0)
     x = _x(4, 2, 64, gen, torch.float32)

@@ -34,9 +34,11 @@ def rotations(n: int, gen: torch.Generator) -> torch.Tensor:
 class Model:
     """Per-layer K/V/Q tables indexed by (token id, position) and the artifact's rotations and clips."""
 
-    def __init__(self, seed: int = 0, per_head: bool = True, layers: int = 1, fp8: bool = False):
+    def __init__(self, seed: int = 0, per_head: bool = True, layers: int = 1, fp8: bool = False,
+                 widths: tuple[tuple[int, int], ...] = ()):
         g = torch.Generator().manual_seed(seed)
         self.layers = L = layers
+        self.widths = widths or ((2, 2),) * L  # (K, V) code widths per layer: an allocated scheme's
         # FP8 scales: per-layer, per-KV-head multipliers of two binades (None: fp16 scales)
         self.mult = torch.exp2(-torch.randint(4, 6, (2, L, HKV), generator=g).float()) if fp8 else None
         h = HKV if per_head else 1
@@ -59,8 +61,9 @@ class Model:
 
     def kv(self, anchors: int = 8, interval: int = 16, finish_anchors: bool = False) -> OscarKV:
         fp8 = self.mult is not None
-        return OscarKV(QuantScheme(sink=SINK, recent=RECENT, scale_dtype="fp8" if fp8 else "fp16"), self.layers, HKV, D,
-                       SLOTS, REQS, self.rot_k, self.rot_v, self.clip_k, self.clip_v, anchors, interval, "cpu",
+        scheme = QuantScheme(sink=SINK, recent=RECENT, scale_dtype="fp8" if fp8 else "fp16",
+                             bits_k=tuple(w[0] for w in self.widths), bits_v=tuple(w[1] for w in self.widths))
+        return OscarKV(scheme, self.layers, HKV, D, SLOTS, REQS, self.rot_k, self.rot_v, self.clip_k, self.clip_v, anchors, interval, "cpu",
                        finish_anchors=finish_anchors, mult_k=self.mult[0] if fp8 else None,
                        mult_v=self.mult[1] if fp8 else None)
 
@@ -72,17 +75,19 @@ def reference(model: Model, layer: int, tokens: list[int], c0: int, c1: int, rec
     rk = model.rot_k[layer].expand(HKV, D, D)
     rv = model.rot_v[layer].expand(HKV, D, D)
 
-    def rows(x, rot, clip, mult):
+    def rows(x, rot, clip, mult, bits):
         exact = torch.einsum("nhd,hde->nhe", x.float(), rot).to(torch.bfloat16).float()
         codes = torch.empty(c1, HKV, D // 4, dtype=torch.uint8)
+        hi = torch.empty_like(codes) if bits == 4 else None
         scale = torch.empty(c1, HKV, 1, dtype=torch.float16 if mult is None else torch.float8_e4m3fn)
         zero = torch.empty_like(scale)
-        quantize_pack_ref(x, rot, clip.expand(HKV).contiguous(), codes, scale, zero, torch.arange(c1), D, mult=mult)
-        return exact, dequantize_ref(codes, scale, zero, D, mult)
+        quantize_pack_ref(x, rot, clip.expand(HKV).contiguous(), codes, scale, zero, torch.arange(c1), D, mult=mult,
+                          codes_hi=hi)
+        return exact, dequantize_ref(codes, scale, zero, D, mult, hi)
 
     mk, mv = (None, None) if model.mult is None else (model.mult[0, layer], model.mult[1, layer])
-    ek, ik = rows(k, rk, model.clip_k[layer], mk)
-    ev, iv = rows(v, rv, model.clip_v[layer], mv)
+    ek, ik = rows(k, rk, model.clip_k[layer], mk, model.widths[layer][0])
+    ev, iv = rows(v, rv, model.clip_v[layer], mv, model.widths[layer][1])
     out = torch.empty(c1 - c0, HQ, D)
     j = torch.arange(c1)
     for i, t in enumerate(range(c0, c1)):
@@ -167,13 +172,15 @@ def check(model, got_layers, toks, c0, c1):
 
 
 # ------------------------------------------------------------------------------------------------------ (b) kernels
-@pytest.mark.parametrize("fp8", [False, True])
-def test_extend_and_padded_decode_match_reference_over_shared_prefix_slots(fp8):
+@pytest.mark.parametrize("variant", ["fp16", "fp8", "mixed-widths"])
+def test_extend_and_padded_decode_match_reference_over_shared_prefix_slots(variant):
     """Two layers; two requests in one extend batch (ragged lengths, one with a radix-cache prefix computed by a third
     request earlier), then decode steps in a CUDA-graph padded batch: every output matches the reference, and
     planning again for the next step keeps the plan's buffers (what a captured graph replays on). Also with FP8
-    scales (an artifact's per-head multipliers through the pool)."""
-    model = Model(seed=1, layers=2, fp8=fp8)
+    scales (an artifact's per-head multipliers through the pool) and with an allocation (4-bit keys in layer 0,
+    4-bit values in layer 1)."""
+    widths = ((4, 2), (2, 4)) if variant == "mixed-widths" else ()
+    model = Model(seed=1, layers=2, fp8=variant == "fp8", widths=widths)
     kv = model.kv(anchors=8, interval=0)
     sim = Sim(model, kv)
     a = tokens(30, 1)

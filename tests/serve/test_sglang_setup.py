@@ -108,21 +108,29 @@ def test_rank_setup_per_rank_cell_size_and_kernel_arguments():
         assert 2 * s.budget.cell == whole.budget.cell and 2 * s.budget.region == whole.budget.region
 
 
-def test_budget_counts_what_the_pool_and_plans_allocate():
-    """The bytes SGLang is told (cell size x slots + fixed) are the bytes the rank's pool and plans hold."""
-    scheme, layers, kv, d, q_heads = QuantScheme(group=16, sink=4, recent=8), 3, 2, 16, 4
+@pytest.mark.parametrize("variant", ["fp16", "fp8", "mixed-widths"])
+def test_budget_counts_what_the_pool_and_plans_allocate(variant):
+    """The bytes SGLang is told (cell size x slots + fixed) are the bytes the rank's pool and plans hold: with fp16
+    scales, FP8 ones (and their multipliers), and an allocation (4-bit keys in layer 1, 4-bit values in layer 2)."""
+    extra = {"fp16": {}, "fp8": dict(scale_dtype="fp8"), "mixed-widths": dict(bits_k=(2, 4, 2), bits_v=(2, 2, 4))}
+    scheme, layers, kv, d, q_heads = QuantScheme(group=16, sink=4, recent=8, **extra[variant]), 3, 2, 16, 4
     slots, requests, anchors, max_tokens, max_seq = 100, 5, 3, 64, 128
     b = budget(scheme, layers, kv, d, q_heads, requests, anchors, max_tokens, max_seq)
     eye = torch.eye(d).expand(layers, 1, d, d)
+    mult = torch.ones(layers, kv) if variant == "fp8" else None
     st = OscarKV(scheme, layers, kv, d, slots, requests, eye, eye, torch.ones(layers, 1), torch.ones(layers, 1),
-                 anchors, 0, "cpu")
+                 anchors, 0, "cpu", mult_k=mult, mult_v=mult)
+    per_layer = {"fp16": 3 * (2 * (d // 4 + 4)), "fp8": 3 * (2 * (d // 4 + 2)),
+                 "mixed-widths": 3 * 2 * (d // 4 + 4) + 2 * d // 4}  # per head: a 4-bit kind doubles its codes
+    assert b.cell == kv * per_layer[variant]
     core = OscarAttention(st, torch.zeros(requests, max_seq, dtype=torch.int32), requests, max_tokens, q_heads)
     assert b.cell == st.pool.cell_bytes
     assert (requests + anchors) * b.region == st.pool.exact_bytes
     assert b.workspace == core.workspace_bytes()
     held = st.pool.nbytes - st.pool.exact_bytes - sum(
         t.numel() * t.element_size() for i in range(layers)
-        for t in (st.pool.layer(i).rot_k, st.pool.layer(i).rot_v, st.pool.layer(i).clip_k, st.pool.layer(i).clip_v))
+        for t in (st.pool.layer(i).rot_k, st.pool.layer(i).rot_v, st.pool.layer(i).clip_k, st.pool.layer(i).clip_v)
+        + ((st.pool.layer(i).k.mult, st.pool.layer(i).v.mult) if variant == "fp8" else ()))
     assert held == slots * b.cell
 
 
@@ -288,13 +296,13 @@ def test_unquantized_layers_unsupported_scheme_and_tp_are_refused():
     art = fake_artifact(scheme=QuantScheme(bits=4, group=16))
     assert any("cannot run in the kernels" in p for p in model_refusals(art.manifest, facts())[0])
     n = facts().num_layers
-    for scheme in (QuantScheme(group=16, bits_k=(4,) + (2,) * (n - 1), bits_v=(2,) * n),
-                   QuantScheme(group=16, scale_dtype="fp8", center_keys=True)):  # an allocation, centered keys
+    for scheme in (QuantScheme(group=16, levels="fitted"), QuantScheme(group=16, scale_dtype="fp8", center_keys=True)):
         problems = model_refusals(fake_artifact(scheme=scheme).manifest, facts())[0]
-        assert any("cannot run in the kernels" in p and "without --bits-per-element" in p for p in problems), problems
-    fp8 = model_refusals(fake_artifact(d=SERVED_D, scheme=QuantScheme(scale_dtype="fp8")).manifest,
-                         facts(d=SERVED_D))[0]
-    assert not any("cannot run in the kernels" in p for p in fp8), fp8  # FP8 scales: served
+        assert any("cannot run in the kernels" in p and "without --center-keys and --levels" in p
+                   for p in problems), problems
+    for scheme in (QuantScheme(scale_dtype="fp8"), QuantScheme(bits_k=(4,) + (2,) * (n - 1), bits_v=(2,) * n)):
+        served = model_refusals(fake_artifact(d=SERVED_D, scheme=scheme).manifest, facts(d=SERVED_D))[0]
+        assert not any("cannot run in the kernels" in p for p in served), served  # FP8 scales, an allocation
     assert any("--tp-size 3" in p for p in model_refusals(fake_artifact().manifest, facts(), tp_size=3)[0])
 
 

@@ -66,7 +66,7 @@ def rank_setup(settings: OscarSettings, artifact: Artifact, facts: ModelFacts, *
                     num_layers, start_layer)
     scheme = artifact.scheme.resolved(facts.head_dim)  # the artifact's: no second source of it
     b = budget(scheme, num_layers, len(heads), facts.head_dim, q_heads, request_slots, settings.anchors,
-               max_tokens, max_seq_len)
+               max_tokens, max_seq_len, start_layer)
     return RankSetup(settings=settings, scheme=scheme, tp_rank=tp_rank, start_layer=start_layer,
                      num_layers=num_layers, kv_heads=len(heads), q_heads=q_heads, head_dim=facts.head_dim,
                      rot_k=t["r_k"], rot_v=t["r_v"], clip_k=t["clip_k"], clip_v=t["clip_v"],
