@@ -329,3 +329,29 @@ def test_a_real_artifact_against_a_model_folder(tmp_path):
     with pytest.raises(ServeRefusal) as e:
         load_checked_artifact(OscarSettings(artifact=path), ModelFacts.from_folder(model))
     assert str(e.value).startswith("oscar: the artifact was fitted for model fingerprint sha256:tiny")
+
+
+def test_int8_decode_options_are_refused_for_an_allocation_with_4_bit_layers(tmp_path):
+    """The int8 decode variants live in the Gluon kernel, which reads 2-bit codes: an artifact whose allocation has
+    4-bit layers is refused with them at start (one line), and served with the default options."""
+    from oscar_cli.artifact import Manifest, write_artifact
+
+    d, kv, heads, layers = SERVED_D, 2, 4, 2
+    t = artifact_tensors(n=layers, h=kv, d=d)
+    t["clip_k"], t["clip_v"] = t["clip_k"] * 0.5 + 0.5, t["clip_v"] * 0.5 + 0.5
+    scheme = QuantScheme(group=d, sink=4, recent=8, bits_k=(4, 2), bits_v=(2, 2))
+    m = Manifest(model_slug="tiny", model_fingerprint="sha256:tiny", run_id=1, stats_digest="s", data_digest="d",
+                 calibration_tokens=1, method="oscar", per_head=True, layers=tuple(range(layers)),
+                 shape=AttentionShape(layers, heads, kv, d), scheme=scheme, fit_clip=True, clip_grid=(1.0,),
+                 metrics={})
+    path = write_artifact(tmp_path / "arts", m, t, "")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(model_config(num_hidden_layers=layers, num_attention_heads=heads,
+                                                               num_key_value_heads=kv, hidden_size=64, head_dim=d)))
+    facts = ModelFacts.from_folder(model)
+    art, _ = load_checked_artifact(OscarSettings(artifact=path), facts)
+    assert art.manifest.scheme.mixed
+    with pytest.raises(ServeRefusal) as e:
+        load_checked_artifact(OscarSettings(artifact=path, decode=DecodeOptions(int8_scores=True)), facts)
+    assert "need 2-bit codes in every layer" in str(e.value) and "\n" not in str(e.value)

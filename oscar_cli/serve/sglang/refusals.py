@@ -220,6 +220,17 @@ def model_refusals(manifest: Any, facts: ModelFacts, tp_size: int = 1, load_form
     return out, notes
 
 
+def decode_refusal(scheme: Any, options: Any) -> str | None:
+    """Why the decode ``options`` cannot read the artifact's ``scheme``, or None: the int8 variants live in the Gluon
+    split kernel, which reads 2-bit codes, and an allocation's 4-bit layers run the Triton one."""
+    four = [w for w in (scheme.bits, *scheme.bits_k, *scheme.bits_v) if w == 4]
+    if four and not options.exact:
+        return (f"decode options {options.describe()} need 2-bit codes in every layer and the scheme "
+                f"{scheme.describe()} has 4-bit ones; drop the int8 options (--int8-scores, --int8-values, "
+                "--decode-tuning) or fit without --bits-per-element")
+    return None
+
+
 def refuse(problems: list[str]) -> None:
     """Raise :class:`ServeRefusal` with the first problem (the others follow on the same line)."""
     if problems:

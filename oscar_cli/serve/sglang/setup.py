@@ -14,7 +14,7 @@ import torch
 from oscar_kernels.scheme import QuantScheme
 
 from ...artifact import Artifact, load_artifact
-from .refusals import ModelFacts, model_refusals, refuse
+from .refusals import ModelFacts, decode_refusal, model_refusals, refuse
 from .settings import OscarSettings
 from .sizing import Budget, budget
 from .tp import layer_stack, rank_heads, slice_for_rank
@@ -26,6 +26,8 @@ def load_checked_artifact(settings: OscarSettings, facts: ModelFacts, tp_size: i
     when it does not fit the model or the TP size."""
     artifact = load_artifact(settings.artifact)
     problems, notes = model_refusals(artifact.manifest, facts, tp_size, load_format)
+    if (why := decode_refusal(artifact.manifest.scheme, settings.decode)) is not None:
+        problems.append(why)
     refuse(problems)
     return artifact, notes
 
