@@ -3,7 +3,7 @@ texts the calibration never saw, at equal bits.
 
 Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model smollm2-135m] [--data2 FILE]
        [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024] [--group G]
-       [--layers SPEC]
+       [--layers SPEC] [--key-layouts]
        [--recipe recipes/smollm2-135m.yaml] [--commit SHA] [--results benchmarks/RESULTS.md]
 
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
@@ -17,6 +17,12 @@ only its keys or only its values quantized (where the gap lives). Bits per eleme
 scale/zero, K and V averaged over the rows each layer holds: at the evaluated length and at 32k, where a sliding-
 window layer holds only its window; sinks and recent rows are BF16 in every row alike). Prints one table and appends
 it to RESULTS.md with date, device, commit and command.
+
+``--key-layouts`` instead compares key layouts at equal bits, keys alone quantized (values exact): OSCAR's per-token
+key groups after rotation (one group per head row, fp16 scale/zero), per-token groups of half a row with fp8
+scale/zero (its own fit), and per-channel key groups over blocks of as many tokens as the head has dims after the
+same rotation (KIVI's layout; the BF16 recent window stages a block until it is whole; no clip, as KIVI) —
+``2 + 32/d`` bits per key element each.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sensitivity-tokens", type=int, default=1024)
     ap.add_argument("--group", type=int, default=None, help="override the recipe's scheme group (0: the head dim)")
     ap.add_argument("--layers", default=None, help="override the recipe's fitted layers (others stay BF16)")
+    ap.add_argument("--key-layouts", action="store_true",
+                    help="compare key layouts at equal bits (per-token rows, per-channel blocks, half-row groups)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
@@ -87,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     segs = {name: segments_of(token_ids(tok, t), args.seq_len, args.segments) for name, t in texts.items()}
 
     tmp = Path(tempfile.mkdtemp(prefix="oscar-bench-accuracy-"))
+    if args.key_layouts:
+        return key_layouts(args, argv, store, run, base_cfg, model, d, segs, tmp)
     fits: dict[str, Path] = {}
     t0 = time.time()
     fp16 = dataclasses.replace(base_cfg.without_model_pass(),
@@ -164,6 +174,68 @@ def main(argv: list[str] | None = None) -> int:
         f"{art0.scheme.sink}, recent {art0.scheme.recent}; fits and the sensitivity pass "
         f"({args.sensitivity_tokens} calibration tokens) took {fit_s:.0f} s.",
         table, command=sys.argv if argv is None else ["benchmarks/bench_accuracy.py", *argv], extra=extra + "\n")
+    return 0
+
+
+def key_layouts(args, argv, store, run, base_cfg, model, d: int, segs: dict, tmp: Path) -> int:
+    """``--key-layouts``: one table of perplexity for the key layouts at ``2 + 32/d`` bits per key element."""
+    from oscar_cli import attention
+    from oscar_cli.artifact import load_artifact
+    from oscar_cli.eval.perplexity import perplexity
+    from oscar_cli.jobs import run_fit
+    from oscar_cli.kvquant import EXACT, build_layer_quants
+    from oscar_cli.methods import get_method, scheme_for
+    from oscar_cli.prepare import Prepared, prepare
+
+    t0 = time.time()
+    row = dataclasses.replace(base_cfg.without_model_pass(),
+                              scheme=dataclasses.replace(base_cfg.scheme, scale_dtype="fp16", group=0))
+    half = dataclasses.replace(row, scheme=dataclasses.replace(row.scheme, scale_dtype="fp8", group=d // 2))
+    arts = {name: load_artifact(run_fit(store, args.run, cfg, tmp, "")[0]) for name, cfg in
+            (("row", row), ("half", half))}
+    fit_s = time.time() - t0
+    oscar = get_method("oscar")
+    n_layers, kv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    rows, ref = [], None
+
+    def add(label: str, key_bits: str, prep) -> None:
+        nonlocal ref
+        ppl = {name: perplexity(model, seg, prep) for name, seg in segs.items()}
+        ref = ref or ppl
+        rows.append([label, key_bits, *(f"{ppl[n]:.3f} (x{ppl[n] / ref[n]:.3f})" for n in segs)])
+        print(rows[-1], flush=True)
+
+    m = get_method("bf16")
+    add("bf16", "16", prepare(model, m, scheme_for(m, d)))
+    bits = f"{2 + 32 / d:.3f}"
+
+    def keys_only(art, **change):
+        """The artifact's quantizers with values exact (the key layout alone) and ``change`` applied."""
+        qs = build_layer_quants(oscar, art.scheme, n_layers, d, kv, art)
+        return [None if q is None else dataclasses.replace(q, bits_v=EXACT, **change) for q in qs]
+
+    variants = [("per token, one group per row, fp16 scales", arts["row"], {}),
+                (f"per token, groups of {d // 2}, fp8 scales (its own fit)", arts["half"], {}),
+                (f"per channel over {d}-token blocks (KIVI's layout), fp16 scales, no clip", arts["row"],
+                 dict(key_axis="channel", key_group=d))]
+    for label, art, change in variants:
+        qs = keys_only(art, **change)
+        if change:
+            qs = [None if q is None else dataclasses.replace(q, clip_k=torch.ones_like(q.clip_k)) for q in qs]
+        attention.install(model, qs, art.scheme)
+        add(f"OSCAR keys {label}", bits, Prepared(oscar, art.scheme, qs, art.name))
+    head = ["key layout", "bits per key element", *(f"ppl {n}" for n in segs)]
+    table = markdown_table(head, rows)
+    print(table)
+    fp32 = "fp32, " if next(model.parameters()).dtype == torch.float32 else ""
+    append_section(
+        args.results, f"Key layout at equal bits ({run.model_slug})", f"CPU ({fp32}{torch.get_num_threads()} threads)",
+        args.commit or "unknown",
+        f"Run {run.run_id} ({run.tokens} calibration tokens), recipe {args.recipe}; {args.segments} segments of "
+        f"{args.seq_len} tokens per text, teacher-forced through the decode-equivalent attention; sink "
+        f"{art.scheme.sink}, recent {art.scheme.recent}; keys only (values exact in every row); fits took "
+        f"{fit_s:.0f} s.", table,
+        command=sys.argv if argv is None else ["benchmarks/bench_accuracy.py", *argv])
     return 0
 
 

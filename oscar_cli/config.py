@@ -157,6 +157,8 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
             part = part.strip()
             if "-" in part:
                 a, b = (int(s) for s in part.split("-", 1))
+                if b < a:
+                    raise ConfigError(f"--layers {spec!r}: range {part} runs backwards; write it low-high ({b}-{a})")
                 out.update(range(a, b + 1))
             else:
                 out.add(int(part))
@@ -386,9 +388,11 @@ def load_recipe(path: Path) -> Recipe:
     import yaml
 
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read recipe {path}: {e.strerror}; pass an existing YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"recipe {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:

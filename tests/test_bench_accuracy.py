@@ -59,3 +59,21 @@ def test_bench_criteria_ranks_with_spearman(tmp_path, tiny_run, tiny_gemma_dir):
                        "--results", str(results)]) == 0
     out = results.read_text()
     assert "Spearman vs held-out ppl" in out and "| logit-KL |" in out and "| 0.8 |" in out
+
+
+def test_bench_accuracy_key_layouts_at_equal_bits(tmp_path, tiny_run, tiny_gemma_dir):
+    """``--key-layouts``: the three key layouts at 2 + 32/d bits (keys alone quantized), each a different
+    perplexity from BF16's and from each other's, one table in RESULTS."""
+    store, recipe, text = tiny_run
+    results = tmp_path / "RESULTS.md"
+    bench = load_benchmark("bench_accuracy")
+    assert bench.main(["--store", str(store), "--model", str(tiny_gemma_dir), "--recipe", str(recipe), "--data2",
+                       str(text), "--segments", "1", "--seq-len", "64", "--key-layouts",
+                       "--results", str(results)]) == 0
+    out = results.read_text()
+    assert "## Key layout at equal bits" in out and "keys only (values exact in every row)" in out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r[1].strip().split(",")[0] for r in rows] == ["bf16", "OSCAR keys per token", "OSCAR keys per token",
+                                                        "OSCAR keys per channel over 32-token blocks (KIVI's layout)"]
+    ppl = [r[3].strip().split(" ")[0] for r in rows]
+    assert len(set(ppl)) == 4 and len({r[2].strip() for r in rows[1:]}) == 1  # all measured, at one bit count

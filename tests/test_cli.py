@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from oscar_cli.cli import app
@@ -149,6 +150,11 @@ def test_bad_input_fails_with_one_line_and_leaves_the_store_alone(tmp_path, tiny
                    "lower --tokens")
     one_line_error(invoke("collect", "--model", tiny_model_dir, "--store", tiny_store, "--resume", *TINY),
                    "nothing to resume")
+    if not torch.cuda.is_available():  # refused before the recipe, the data or the weights are read
+        one_line_error(invoke("collect", "--model", tmp_path / "no-model", "--store", tiny_store, "--device", "cuda"),
+                       "no CUDA device is visible")
+    one_line_error(invoke("collect", "--model", tiny_model_dir, "--store", tiny_store, "--device", "gpu0"),
+                   "is not a torch device")
     one_line_error(invoke("fit", "--store", tiny_store, "--artifacts", tmp_path / "a", "--layers", "0-7"),
                    "out of range: the model has layers 0-1")
     one_line_error(invoke("fit", "--store", tiny_store, "--artifacts", tmp_path / "a", "--group", "48"),

@@ -75,6 +75,29 @@ def test_bad_input_is_one_line_exit_1(stub_model, tmp_path, args, needle):
     assert needle in r.output and r.output.strip().count("\n") <= 1
 
 
+def test_the_table_names_each_rows_scheme():
+    from oscar_cli.cli.eval import _scheme_label
+    from oscar_cli.config import QuantScheme
+
+    assert _scheme_label(QuantScheme(group=64, sink=16, recent=64).to_dict()) == "int2 g64 s16/r64"
+    alloc = QuantScheme(group=64, sink=16, recent=64, scale_dtype="fp8", bits_k=(4, 2, 4), bits_v=(2, 2, 2))
+    assert _scheme_label(alloc.to_dict()) == "mix2-4k2v0 g64 fp8 s16/r64"
+    assert _scheme_label({"bits": 2, "group": 8, "sink": 1, "recent": 2, "levels": "odd"}) == "int2 g8 s1/r2"
+
+
+def test_an_unknown_task_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    from oscar_cli.eval import lm_eval_tasks, run
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the task names were checked")
+
+    monkeypatch.setattr(run, "load_model", no_load)
+    monkeypatch.setattr(lm_eval_tasks, "_index", lambda: frozenset({"hellaswag"}))  # lm-eval's index, stubbed
+    r = CliRunner().invoke(app, ["eval", "--store", str(tmp_path), "--tasks", "oscar_ppl,no_such_task"])
+    assert r.exit_code == 1 and "unknown lm-eval task(s) no_such_task" in r.output
+    assert r.output.strip().count("\n") <= 1
+
+
 def test_oscar_without_artifact_is_a_clear_error(stub_model, tmp_path, kit):
     data = tmp_path / "t.txt"
     data.write_text(kit.text(200))

@@ -15,6 +15,8 @@ def test_parse_layers():
         parse_layers("3-12", 10)
     with pytest.raises(ConfigError, match="is not 'all'"):
         parse_layers("a-b", 10)
+    with pytest.raises(ConfigError, match=r"range 5-2 runs backwards; write it low-high \(2-5\)"):
+        parse_layers("5-2", 10)
 
 
 def test_shipped_recipes_mean_what_they_say():
@@ -24,7 +26,8 @@ def test_shipped_recipes_mean_what_they_say():
     assert (smol.collect.tokens, smol.collect.seq_len, smol.collect.batch_size) == (16384, 512, 4)
     assert smol.fit.method == "oscar" and smol.fit.per_head
     assert smol.fit.clip_criterion == "logit-kl" and smol.fit.sensitivity_tokens == 1024
-    assert smol.fit.scheme == QuantScheme(bits=2, group=0, sink=16, recent=64)
+    assert smol.fit.scheme == QuantScheme(bits=2, group=0, sink=16, recent=64, scale_dtype="fp8")
+    assert smol.fit.bits_per_element == 2.5
     assert smol.eval.methods == ("bf16", "int2-naive", "int2-hadamard", "oscar") and smol.eval.seq_lengths == (1024,)
     assert [(t.method, t.bound, t.value, t.baseline) for t in smol.thresholds] == [
         ("oscar", "max_ratio", 1.15, "bf16"), ("oscar", "max_ratio", 0.80, "int2-hadamard")]
@@ -39,6 +42,13 @@ def test_shipped_recipes_mean_what_they_say():
     gemma = load_recipe(RECIPES / "gemma3-270m.yaml")
     assert gemma.model == "gemma3-270m" and gemma.fit.scheme.scale_dtype == "fp8"
     assert (gemma.fit.bits_per_element, gemma.fit.context, gemma.fit.clip_criterion) == (2.5, 32768, "logit-kl")
+
+
+def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_bytes("model: smollm2-135m\n# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 25.*save it as UTF-8"):
+        load_recipe(p)
 
 
 def test_unknown_keys_are_errors(tmp_path):

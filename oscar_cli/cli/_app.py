@@ -64,6 +64,29 @@ def decode_options(tuning: str, int8_scores: bool = False, int8_values: bool = F
         raise fail(str(e), code=2) from None
 
 
+def torch_device(name: str) -> str:
+    """``--device`` checked before anything slow: a torch device string this machine has, else a one-line
+    :class:`~oscar_cli.errors.OscarError` naming the fix."""
+    import torch
+
+    from ..errors import OscarError
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise OscarError(f"--device {name!r} is not a torch device; use cpu or cuda (cuda:N for another GPU)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OscarError(f"--device {name}: no CUDA device is visible to torch {torch.__version__} on this machine; "
+                             "use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise OscarError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); use "
+                             f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type != "cpu":
+        raise OscarError(f"--device {name}: collect runs on cpu or cuda; use one of them")
+    return name
+
+
 def guarded(fn=None, *, interrupted: str = "interrupted; nothing was written"):
     """Turn OscarError (and scheme errors) into a one-line message and exit 1; Ctrl-C prints ``interrupted`` (what
     the command kept) and exits 130. Use as ``@guarded`` or ``@guarded(interrupted="...")``."""

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from ._app import DEFAULTS, ModelOpt, RecipeOpt, StoreOpt, app, guarded, out
+from ._app import DEFAULTS, ModelOpt, RecipeOpt, StoreOpt, app, guarded, out, torch_device
 from ._progress import token_progress
 
 
@@ -37,6 +37,7 @@ def collect(
     from ..models import load_model
     from ..store import Store
 
+    device = torch_device(device)  # before the recipe, the data and the weights
     rec = load_recipe(recipe) if recipe else None
     base = rec.collect if rec else CollectConfig()
     overrides = {k: v for k, v in dict(data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size,

@@ -131,6 +131,21 @@ def eval_cmd(
         console.print(f"all {len(cfg.thresholds)} recipe thresholds met")
 
 
+def _scheme_label(s: dict) -> str:
+    """A row's scheme in the table: ``int2 g64 s16/r64``, an allocation ``mix2-4k7v0 g64 fp8 s16/r64``."""
+    from ..config import QuantScheme
+
+    try:
+        sch = QuantScheme.from_dict(s)
+    except Exception:  # noqa: BLE001  (a row stored by another version: show what it has)
+        return f"int{s.get('bits')} g{s.get('group')} s{s.get('sink')}/r{s.get('recent')}"
+    width = sch.describe().split(".")[0]
+    extras = "".join(f" {x}" for x in (sch.scale_dtype if sch.scale_dtype != "fp16" else "",
+                                        "centered" if sch.center_keys else "",
+                                        sch.levels if sch.levels != "uniform" else "") if x)
+    return f"{width} g{sch.group}{extras} s{sch.sink}/r{sch.recent}"
+
+
 @contextlib.contextmanager
 def quiet_stdout():
     """Libraries under lm-eval print to stdout; keep stdout for results (``--json`` stays parseable)."""
@@ -173,8 +188,7 @@ def _render(rows: list[dict], json_out: bool, csv: Path | None) -> None:
         t.add_column(c, justify="right" if c in ("len", "value", "Δ bf16", "bits/el") else "left")
     for r in rows:
         d, s, b = r["delta_bf16"], r["config"].get("scheme"), r["bits_per_element"]
-        scheme = ("exact" if r["method"] == "bf16" else "?" if not s
-                  else f"int{s['bits']} g{s['group']} s{s['sink']}/r{s['recent']}")
+        scheme = "exact" if r["method"] == "bf16" else "?" if not s else _scheme_label(s)
         t.add_row(r["method"], r["task"], r["metric"], str(r["config"].get("seq_len")), f"{r['value']:.4g}",
                   "" if d is None or r["method"] == "bf16" else f"{d:+.4g}", "" if b is None else f"{b:.3f}", scheme)
     out.print(t)

@@ -38,6 +38,8 @@ def serve_cmd(
                                                     "(default: the model's slug).")] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait for the engine; one more "
                                            "gets 429 (transformers engine).")] = ServeConfig.max_queue,
+    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Largest request body accepted; larger "
+                                                "ones get 413 (transformers engine).")] = ServeConfig.max_body_bytes,
     max_context: Annotated[int | None, typer.Option("--max-context", help="Prompt + completion tokens per request "
                                                     "(default: the model's positions).")] = None,
     int8_scores: Annotated[bool, typer.Option("--int8-scores", help="SGLang engine: decode scores over the INT2 "
@@ -61,7 +63,8 @@ def serve_cmd(
     if engine not in ENGINES:
         raise OscarError(f"--engine {engine!r}: choose auto, sglang or transformers")
     decode = decode_options(decode_tuning, int8_scores=int8_scores, int8_values=int8_values)
-    cfg = ServeConfig(host=host, port=port, model_id=served_name, max_queue=max_queue, max_context=max_context)
+    cfg = ServeConfig(host=host, port=port, model_id=served_name, max_queue=max_queue, max_context=max_context,
+                      max_body_bytes=max_body_bytes)
     chosen = pick_engine(engine)
     for flag, on in (("--int8-scores", int8_scores), ("--int8-values", int8_values),
                      ("--decode-tuning", bool(decode_tuning.strip(" ,")))):

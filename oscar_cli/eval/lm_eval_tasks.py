@@ -7,6 +7,7 @@ lm-eval's full index and usually the hub. :func:`lm_rows` turns the results into
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -25,6 +26,29 @@ def lm_task_names(names) -> list[str]:
     return [OFFLINE_TASKS.get(n, n) for n in names]
 
 
+def check_lm_tasks(tasks: list[str]) -> None:
+    """Refuse unknown lm-eval task names in one line before anything slow loads (the offline tasks need no index;
+    any other name is looked up in lm-eval's index, built once per process)."""
+    offline = set(OFFLINE_TASKS.values())
+    others = [t for t in tasks if t not in offline]
+    if not others:
+        return
+    unknown = [t for t in others if t not in _index()]
+    if unknown:
+        raise EvalError(f"unknown lm-eval task(s) {', '.join(unknown)}; offline tasks: {PPL_TASK}, ruler, "
+                        f"{', '.join(OFFLINE_TASKS)}")
+
+
+@functools.cache
+def _index() -> frozenset[str]:
+    """Every task name lm-eval's index (plus the shipped tasks) knows."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise EvalError("lm-eval is not installed; `make setup` installs it (pip install 'lm-eval[hf,ruler]')") from None
+    return frozenset(TaskManager(include_path=str(TASKS_DIR)).all_tasks)
+
+
 def run_lm_eval(lm, tasks: list[str], limit: int | None, metadata: dict) -> dict[str, dict[str, float]]:
     """Run lm-eval tasks on an lm-eval model (:class:`~.lm_eval_model.OscarLM`, or a server's
     ``local-completions``); returns ``{task: {metric: value}}`` (numeric metrics only).
@@ -41,11 +65,8 @@ def run_lm_eval(lm, tasks: list[str], limit: int | None, metadata: dict) -> dict
     if all(t in offline for t in tasks):
         tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=md)
     else:
+        check_lm_tasks(tasks)
         tm = TaskManager(include_path=str(TASKS_DIR), metadata=md)
-        unknown = [t for t in tasks if t not in tm.all_tasks]
-        if unknown:
-            raise EvalError(f"unknown lm-eval task(s) {', '.join(unknown)}; offline tasks: {PPL_TASK}, ruler, "
-                            f"{', '.join(OFFLINE_TASKS)}")
     try:
         res = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=tm, log_samples=False,
                                       bootstrap_iters=0)

@@ -21,7 +21,7 @@ from ..progress import Progress
 from ..store import Store
 from ..tasks import TOKENIZERS
 from . import EvalError
-from .lm_eval_tasks import lm_eval_version, lm_rows, lm_task_names, run_lm_eval
+from .lm_eval_tasks import check_lm_tasks, lm_eval_version, lm_rows, lm_task_names, run_lm_eval
 from .report import EvalResult, EvalRow, check_thresholds
 from .segments import ppl_steps, ppl_text, segments_of, segments_per_length
 
@@ -133,13 +133,14 @@ def run_eval_server(cfg: EvalConfig, store: Path, progress: Progress | None = No
     from transformers import AutoTokenizer
 
     progress = progress or Progress()
+    row_tasks = expand_tasks(cfg.tasks)
+    lm_tasks = lm_task_names([t for t in row_tasks if t != PPL_TASK])
+    check_lm_tasks(lm_tasks)  # before the server is asked or the tokenizer loads
     info = server_info(cfg.server)
     quiet_transformers()
     slug, _, folder = resolve(cfg.model, store)
     tok_path = str(folder) if folder is not None else cfg.model
     tok = AutoTokenizer.from_pretrained(tok_path)
-    row_tasks = expand_tasks(cfg.tasks)
-    lm_tasks = lm_task_names([t for t in row_tasks if t != PPL_TASK])
     text_ids = ppl_text(cfg, tok)
     progress.start(ppl_steps(cfg, text_ids) + (1 if lm_tasks else 0))
     label = info.method

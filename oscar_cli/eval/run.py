@@ -24,7 +24,7 @@ from ..store import Store
 from ..tasks import TOKENIZERS
 from . import EvalError
 from .lm_eval_model import oscar_lm_class
-from .lm_eval_tasks import lm_eval_version, lm_rows, lm_task_names, run_lm_eval
+from .lm_eval_tasks import check_lm_tasks, lm_eval_version, lm_rows, lm_task_names, run_lm_eval
 from .perplexity import perplexity
 from .remote import run_eval_server
 from .report import EvalResult, EvalRow, check_thresholds
@@ -81,6 +81,7 @@ def run_eval(cfg: EvalConfig, store: Path, progress: Progress | None = None) -> 
         raise EvalError(f"--data {cfg.data} is not a file; pass a UTF-8 text file")
     if any(m.cache_only for m in methods) and PPL_TASK in row_tasks and max(cfg.seq_lengths) > 2048:
         raise EvalError("hf-* peers decode token by token for oscar_ppl; use --seq-lengths of at most 2048")
+    check_lm_tasks(lm_tasks)  # before the model loads
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)

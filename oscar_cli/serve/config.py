@@ -25,6 +25,8 @@ class ServeConfig:
     * ``max_logprobs``: the most alternatives a request may ask for (``logprobs`` / ``top_logprobs``).
     * ``shutdown_timeout_s``: on SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled.
     * ``disconnect_poll_s``: how often a non-streaming request checks whether its client went away.
+    * ``max_body_bytes``: the largest request body accepted; a larger one is answered 413 before it is read whole
+      (a long-context prompt of 100k tokens is ~0.5 MB of text or ~0.7 MB of token ids).
     """
 
     host: str = "127.0.0.1"
@@ -36,6 +38,7 @@ class ServeConfig:
     max_logprobs: int = 20
     shutdown_timeout_s: float = 10.0
     disconnect_poll_s: float = 0.25
+    max_body_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -48,6 +51,8 @@ class ServeConfig:
             raise ServeConfigError("default_max_tokens must be >= 1 and max_logprobs >= 0")
         if self.shutdown_timeout_s < 0 or self.disconnect_poll_s <= 0:
             raise ServeConfigError("shutdown_timeout_s must be >= 0 and disconnect_poll_s > 0")
+        if self.max_body_bytes < 1024:
+            raise ServeConfigError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
 
     @property
     def url(self) -> str:

@@ -59,8 +59,8 @@ class APIError(Exception):
                  type_: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                              503: "server_error"}.get(status, "server_error")
+        self.type = type_ or ("rate_limit_error" if status == 429 else
+                              "invalid_request_error" if 400 <= status < 500 else "server_error")
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -73,7 +73,7 @@ class APIError(Exception):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # "8" is not an integer, 1 is not a boolean
 
     model: str | None = None
     temperature: float = 1.0
@@ -172,7 +172,7 @@ def create_app(engine: TransformersEngine, config: ServeConfig | None = None) ->
 
     # --- helpers ---------------------------------------------------------------------------------------------------
     async def parse(request: Request, model: type[_Body]) -> _Body:
-        raw = await request.body()
+        raw = await read_body(request, cfg.max_body_bytes)
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -338,17 +338,18 @@ def create_app(engine: TransformersEngine, config: ServeConfig | None = None) ->
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        data = await _json_object(request)
+        data = await _json_object(request, cfg.max_body_bytes)
         prompt = data.get("prompt")
         if not isinstance(prompt, str):
             raise APIError(400, "prompt must be a string", "prompt", "invalid_value")
         add = data.get("add_special_tokens", True)
-        ids = list(engine.tokenizer(prompt, add_special_tokens=bool(add))["input_ids"])
+        enc = await asyncio.to_thread(engine.tokenizer, prompt, add_special_tokens=bool(add))
+        ids = list(enc["input_ids"])
         return {"tokens": ids, "count": len(ids), "max_model_len": context}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        data = await _json_object(request)
+        data = await _json_object(request, cfg.max_body_bytes)
         ids = data.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
             raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})", "tokens", "invalid_value")
@@ -364,7 +365,7 @@ def create_app(engine: TransformersEngine, config: ServeConfig | None = None) ->
         if body.logprobs is not None and not 0 <= body.logprobs <= cfg.max_logprobs:
             raise APIError(400, f"logprobs must be in [0, {cfg.max_logprobs}], got {body.logprobs}", "logprobs",
                            "invalid_value")
-        prompts = _prompts(body.prompt, engine, vocab)
+        prompts = await asyncio.to_thread(_prompts, body.prompt, engine, vocab)  # off the event loop
         if body.stream and len(prompts) != 1:
             raise APIError(400, "stream=true takes one prompt; send one request per prompt", "prompt",
                            "invalid_value")
@@ -405,7 +406,7 @@ def create_app(engine: TransformersEngine, config: ServeConfig | None = None) ->
                            "invalid_value")
         messages = _messages(body.messages)
         try:
-            ids = engine.chat_ids(messages)
+            ids = await asyncio.to_thread(engine.chat_ids, messages)  # the template and tokenizer off the event loop
         except EngineError as e:
             raise APIError(400, str(e), "messages", "invalid_value") from None
         except Exception as e:  # noqa: BLE001  (jinja raises many types for messages a template rejects)
@@ -577,9 +578,26 @@ def _messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-async def _json_object(request: Request) -> dict:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes: by its Content-Length
+    before anything is read, else while it streams in (nothing larger is held)."""
+    declared = request.headers.get("content-length")
+    too_big = APIError(413, f"the request body exceeds {limit} bytes; send a shorter prompt or raise the server's "
+                            "--max-body-bytes", code="body_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_object(request: Request, limit: int) -> dict:
     try:
-        data = json.loads(await request.body())
+        data = json.loads(await read_body(request, limit))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
     if not isinstance(data, dict):

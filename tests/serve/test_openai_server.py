@@ -218,6 +218,8 @@ ERRORS = [
     ("chat", dict(messages=[]), 400, "invalid_value", "messages", "messages is empty"),
     ("completion", dict(prompt=[5, 96]), 400, "invalid_value", "prompt", "prompt token ids must be in [0, 96)"),
     ("completion", dict(max_tokens="many"), 400, "invalid_value", "max_tokens", "max_tokens: Input should be"),
+    ("completion", dict(max_tokens="8"), 400, "invalid_value", "max_tokens", "Input should be a valid integer"),
+    ("chat", dict(stream=1), 400, "invalid_value", "stream", "Input should be a valid boolean"),
 ]
 
 
@@ -244,6 +246,31 @@ def test_malformed_json_and_unknown_route(bf16_server):
     assert r.status_code == 400 and r.json()["error"]["message"] == "the request body must be a JSON object"
     r = requests.get(bf16_server.url + "/engines", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = requests.get(bf16_server.url + "/completions", timeout=10)  # a route without that method
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_over_the_limit_is_413(word_model, serve_store):
+    """A body over ``max_body_bytes`` is refused 413 by its Content-Length before it is read, and while it streams
+    when it has none (chunked), on every route that reads a body; the next request under the limit is served."""
+    srv = Server(load_engine(word_model, serve_store), model_id="tiny", max_body_bytes=4096)
+    try:
+        big = json.dumps({"prompt": "w1 " * 3000, "max_tokens": 1}).encode()
+        r = requests.post(srv.url + "/completions", data=big, timeout=10, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        assert r.json()["error"]["type"] == "invalid_request_error" and "--max-body-bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: refused while it streams in
+            for _ in range(64):
+                yield b" " * 1024
+        r = requests.post(srv.url + "/chat/completions", data=chunks(), timeout=10)
+        assert r.status_code == 413
+        r = requests.post(srv.base + "/tokenize", data=big, timeout=10)
+        assert r.status_code == 413
+        ok = srv.client().completions.create(model="tiny", prompt="w1 " * 300, max_tokens=1)
+        assert ok.choices[0].text is not None
+    finally:
+        srv.stop()
 
 
 # ----------------------------------------------------------------------------------------------------------------
