@@ -9,9 +9,10 @@ An artifact is a folder ``<root>/<model-slug>/v<N>/`` holding
   power-of-two multipliers the scales and zeros are stored in units of; with ``scheme.center_keys``, ``center_k``
   ``[n, kv_heads, d]`` the key centers (model basis); with ``scheme.levels == "fitted"``, ``levels_k``, ``levels_v``
   ``[n, kv_heads, 4]``;
-* ``manifest.json`` (:class:`Manifest`, schema version 2): model fingerprint, run id, stats and data digests, fit
+* ``manifest.json`` (:class:`Manifest`, schema version 3): model fingerprint, run id, stats and data digests, fit
   method, the quant scheme (:class:`oscar_kernels.scheme.QuantScheme`), code version (package version + git commit),
-  created, fit-time metrics and ``content_hash`` (sha256 of ``rotations.safetensors``);
+  created, fit-time metrics and ``content_hash`` (:func:`content_digest`: sha256 over ``rotations.safetensors`` and
+  every other field of the manifest, so an edited sink, clip or scheme is refused like a damaged tensor);
 * ``recipe.yaml``: a copy of the recipe that produced it.
 
 Rows are rotated as ``x @ R``. Layers not listed are left in BF16 by the cache. Writes go to a temporary folder that
@@ -41,9 +42,11 @@ from .errors import OscarError
 TENSOR_FILE = "rotations.safetensors"
 MANIFEST_FILE = "manifest.json"
 RECIPE_FILE = "recipe.yaml"
-MANIFEST_SCHEMA = 2
-"""Version 2: the quant scheme under ``scheme`` (resolved group), separate ``stats_digest`` and ``data_digest``.
-Version 1 manifests (no ``schema_version``, the scheme under ``quant``) are read and converted."""
+MANIFEST_SCHEMA = 3
+"""Version 3: ``content_hash`` covers the manifest's fields too (:func:`content_digest`). Version 2 (the same fields,
+its hash over ``rotations.safetensors`` alone) and version 1 (no ``schema_version``, the scheme under ``quant``) are
+read and checked by the rule they were written with."""
+READ_SCHEMAS = (1, 2, MANIFEST_SCHEMA)
 
 
 class ArtifactError(OscarError):
@@ -90,9 +93,9 @@ class Manifest:
         if not isinstance(d, dict):
             raise ArtifactError(f"{where} is not a JSON object; re-run `oscar fit`")
         version = d.get("schema_version", 1)
-        if version not in (1, MANIFEST_SCHEMA):
-            raise ArtifactError(f"{where} has schema version {version}; this oscar-kv reads versions 1 and "
-                                f"{MANIFEST_SCHEMA}: upgrade oscar-kv or re-run `oscar fit`")
+        if version not in READ_SCHEMAS:
+            raise ArtifactError(f"{where} has schema version {version}; this oscar-kv reads versions "
+                                f"{', '.join(map(str, READ_SCHEMAS))}: upgrade oscar-kv or re-run `oscar fit`")
         try:
             shape = AttentionShape(**{k: int(v) for k, v in d["shape"].items()})
             if version == 1:
@@ -113,6 +116,7 @@ class Manifest:
                 scheme=scheme, fit_clip=bool(fit_clip), clip_grid=tuple(float(c) for c in clip_grid),
                 metrics=dict(d.get("metrics", {})), created=str(d.get("created", "")),
                 code_version=str(d.get("code_version", "")), content_hash=str(d.get("content_hash", "")),
+                schema_version=int(version),
             )
             consistent = scheme.group == scheme.group_for(shape.head_dim) and bool(m.layers) \
                 and all(0 <= i < shape.n_layers for i in m.layers)
@@ -190,6 +194,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def content_digest(tensor_file: Path, manifest: Manifest) -> str:
+    """What a version-3 manifest's ``content_hash`` holds: sha256 over the tensor file's sha256 and the manifest's
+    canonical JSON without ``content_hash`` itself (every field that says what the artifact computes, and the rest)."""
+    fields = manifest.to_dict()
+    fields.pop("content_hash", None)
+    h = hashlib.sha256(sha256_file(tensor_file).encode())
+    h.update(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
 def _next_version(model_dir: Path) -> int:
     versions = [int(p.name[1:]) for p in model_dir.glob("v*") if p.name[1:].isdigit()]
     return max(versions, default=0) + 1
@@ -207,7 +221,8 @@ def write_artifact(root: Path, manifest: Manifest, tensors: dict[str, torch.Tens
     try:
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / TENSOR_FILE))
         full = dataclasses.replace(manifest, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                   code_version=code_version(), content_hash=sha256_file(tmp / TENSOR_FILE))
+                                   code_version=code_version(), schema_version=MANIFEST_SCHEMA)
+        full = dataclasses.replace(full, content_hash=content_digest(tmp / TENSOR_FILE, full))
         (tmp / MANIFEST_FILE).write_text(json.dumps(full.to_dict(), indent=2, sort_keys=True) + "\n")
         (tmp / RECIPE_FILE).write_text(recipe_text)
         for _ in range(100):
@@ -286,10 +301,11 @@ def load_artifact(path: Path, expected_fingerprint: str | None = None) -> Artifa
     if not mf.is_file() or not tf.is_file():
         raise ArtifactError(f"{path} is not an artifact (needs {MANIFEST_FILE} and {TENSOR_FILE}); run `oscar fit`")
     manifest = read_manifest(path)
-    actual = sha256_file(tf)
+    # version 3 covers the manifest too; older versions were written with their tensor file's hash alone
+    actual = content_digest(tf, manifest) if manifest.schema_version >= 3 else sha256_file(tf)
     if manifest.content_hash != actual:
         raise ArtifactError(
-            f"{path}: content hash mismatch (manifest {manifest.content_hash}, file {actual}); "
+            f"{path}: content hash mismatch (manifest {manifest.content_hash}, computed {actual}); "
             "the artifact was modified or damaged: re-run `oscar fit`"
         )
     if expected_fingerprint is not None and manifest.model_fingerprint != expected_fingerprint:

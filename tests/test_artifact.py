@@ -41,11 +41,49 @@ def test_write_load_round_trip_and_versions(tmp_path):
     m = a.manifest
     assert isinstance(m, art.Manifest) and m.schema_version == art.MANIFEST_SCHEMA
     assert a.scheme == QuantScheme(group=8, sink=4, recent=8)
-    # the hash is the tensor file's own sha256 (what load_artifact checks), not a placeholder
-    digest = hashlib.sha256((p2 / art.TENSOR_FILE).read_bytes()).hexdigest()
-    assert m.content_hash == digest and len(digest) == 64
+    # the hash covers the tensor file and every other manifest field (what load_artifact checks), not a placeholder
+    fields = json.loads((p2 / art.MANIFEST_FILE).read_text())
+    fields.pop("content_hash")
+    digest = hashlib.sha256(hashlib.sha256((p2 / art.TENSOR_FILE).read_bytes()).hexdigest().encode())
+    digest.update(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+    assert m.content_hash == digest.hexdigest() and len(m.content_hash) == 64
     assert m.code_version.startswith("0.1.0") and m.created.endswith("Z")
     assert art.Manifest.from_dict(m.to_dict()) == m
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d["scheme"].update(sink=8),
+    lambda d: d["scheme"].update(recent=16),
+    lambda d: d.update(model_fingerprint="sha256:zz"),
+    lambda d: d.update(layers=[0]) or d["shape"].update(n_layers=1),
+    lambda d: d["metrics"].update(note="edited"),
+])
+def test_an_edited_manifest_is_refused_like_damaged_tensors(tmp_path, edit):
+    """Version 3: the content hash covers the manifest, so a sink, window, fingerprint or layer list edited by hand
+    (a valid manifest, still) is refused before any tensor is used."""
+    p = art.write_artifact(tmp_path, MANIFEST, _tensors(), "")
+    d = json.loads((p / art.MANIFEST_FILE).read_text())
+    edit(d)
+    (p / art.MANIFEST_FILE).write_text(json.dumps(d))
+    with pytest.raises(art.ArtifactError, match="content hash mismatch.*modified or damaged") as e:
+        art.load_artifact(p)
+    assert "\n" not in str(e.value)
+
+
+def test_version_2_manifests_load_with_their_own_hash_rule(tmp_path):
+    """Migration: an artifact written before version 3 (hash of the tensor file alone) still loads and verifies its
+    tensors; a tampered version-2 tensor file is still refused."""
+    p = art.write_artifact(tmp_path, MANIFEST, _tensors(), "")
+    d = json.loads((p / art.MANIFEST_FILE).read_text())
+    d.update(schema_version=2, content_hash=art.sha256_file(p / art.TENSOR_FILE))
+    (p / art.MANIFEST_FILE).write_text(json.dumps(d))
+    a = art.load_artifact(p)
+    assert a.manifest.schema_version == 2 and a.scheme == MANIFEST.scheme
+    data = bytearray((p / art.TENSOR_FILE).read_bytes())
+    data[-1] ^= 0xFF
+    (p / art.TENSOR_FILE).write_bytes(bytes(data))
+    with pytest.raises(art.ArtifactError, match="content hash mismatch"):
+        art.load_artifact(p)
 
 
 def test_version_1_manifests_are_converted(tmp_path):
@@ -54,7 +92,8 @@ def test_version_1_manifests_are_converted(tmp_path):
     old = {k: v for k, v in d.items() if k not in ("schema_version", "scheme", "data_digest", "stats_digest",
                                                     "fit_clip", "clip_grid")}
     old.update(quant={"bits": 2, "group": 0, "sink": 4, "recent": 8}, stats_digest="sha256:dd",
-               fit={"fit_clip": True, "clip_grid": [0.9, 1.0], "layers": "all"})
+               fit={"fit_clip": True, "clip_grid": [0.9, 1.0], "layers": "all"},
+               content_hash=art.sha256_file(p / art.TENSOR_FILE))  # version 1 hashed the tensor file alone
     (p / art.MANIFEST_FILE).write_text(json.dumps(old))
     m = art.load_artifact(p).manifest
     assert m.scheme == QuantScheme(group=8, sink=4, recent=8) and m.data_digest == "sha256:dd" and m.stats_digest == ""
@@ -93,7 +132,8 @@ def test_tampered_content_is_refused_with_both_hashes(tmp_path):
     (p / art.TENSOR_FILE).write_bytes(bytes(data))
     with pytest.raises(art.ArtifactError, match="content hash mismatch") as e:
         art.load_artifact(p)
-    assert expected in str(e.value) and art.sha256_file(p / art.TENSOR_FILE) in str(e.value)
+    m = art.read_manifest(p)
+    assert expected in str(e.value) and art.content_digest(p / art.TENSOR_FILE, m) in str(e.value)
 
 
 def test_fingerprint_mismatch_shows_both_values(tmp_path):
