@@ -58,6 +58,11 @@ class StoreError(OscarError):
     pass
 
 
+DB_HEADER_BYTES = 3 * 4096
+"""DuckDB's file header (one main and two database headers of 4 KiB) before its blocks."""
+TABLES = ("runs", "stats", "samples", "artifacts", "evals")
+
+
 @dataclass(frozen=True)
 class Run:
     run_id: int
@@ -106,10 +111,43 @@ class Store:
         self.lock_timeout = lock_timeout
         if not create and not self.path.is_file():
             raise StoreError(f"no store at {self.root}; run `oscar collect` first or pass --store")
+        if self.path.is_file():
+            self.check()  # a damaged store is refused before anything writes into it
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
             with self._connect() as con:
                 con.execute(SCHEMA)
+
+    @classmethod
+    def verify(cls, root: Path) -> None:
+        """Refuse a damaged store at ``root`` (if there is one) without creating anything: what a command runs
+        before its slow steps, so that it fails before loading a model rather than after."""
+        path = Path(root) / DB_FILE
+        if path.is_file():
+            cls(root, create=False)
+
+    def _damaged(self, why: str) -> StoreError:
+        return StoreError(f"store {self.path} is damaged ({why}); nothing was written to it: restore a copy, or move "
+                          f"it aside and run `oscar collect` into a fresh store")
+
+    def check(self) -> None:
+        """Refuse a damaged database file (read-only, nothing written): truncated below the blocks its header
+        declares, unreadable header or catalog, or a table that cannot be read."""
+        import duckdb
+
+        size = self.path.stat().st_size
+        if size < DB_HEADER_BYTES:
+            raise self._damaged(f"{size} bytes, less than a database header")
+        try:
+            with self._connect(read_only=True) as con:
+                block, blocks = con.execute("SELECT block_size, total_blocks FROM pragma_database_size()").fetchone()
+                want = DB_HEADER_BYTES + int(block) * int(blocks)
+                if size < want:
+                    raise self._damaged(f"truncated: {size} bytes of the {want} its header declares")
+                for table in TABLES:
+                    con.execute(f"SELECT count(*) FROM {table}").fetchone()
+        except duckdb.Error as e:
+            raise self._damaged(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}") from None
 
     @contextmanager
     def _connect(self, read_only: bool = False):
@@ -124,7 +162,7 @@ class Store:
             except duckdb.IOException as e:
                 msg = str(e)
                 if "lock" not in msg.lower():
-                    raise StoreError(f"cannot open store {self.path}: {msg.splitlines()[0]}") from None
+                    raise self._damaged(f"cannot open it: {msg.splitlines()[0][:160]}") from None
                 if time.monotonic() > deadline:
                     raise StoreError(
                         f"store {self.path} is busy: another oscar process holds it for more than "
@@ -132,8 +170,12 @@ class Store:
                     ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+            except duckdb.Error as e:  # a header or catalog that does not parse
+                raise self._damaged(f"cannot open it: {type(e).__name__}: {str(e).splitlines()[0][:160]}") from None
         try:
             yield con
+        except (duckdb.IOException, duckdb.FatalException, duckdb.InternalException) as e:
+            raise self._damaged(f"{type(e).__name__} while reading it: {str(e).splitlines()[0][:160]}") from None
         finally:
             con.close()
 

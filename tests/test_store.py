@@ -64,3 +64,45 @@ def test_a_second_process_waits_then_refuses_clearly(tmp_path):
 def test_missing_store_is_a_clear_error(tmp_path):
     with pytest.raises(StoreError, match="run `oscar collect` first"):
         Store(tmp_path / "nope", create=False)
+
+
+def _filled_store(path):
+    """A store with a few MB of samples (several DuckDB blocks)."""
+    import duckdb
+
+    Store(path)
+    con = duckdb.connect(str(path / "oscar.duckdb"))
+    con.execute("INSERT INTO samples SELECT 1, 0, 'k', i, random(), [random() for x in range(64)]::FLOAT[] "
+                "FROM range(20000) t(i)")
+    con.close()
+    return path / "oscar.duckdb"
+
+
+@pytest.mark.parametrize("damage", ["truncate-half", "truncate-tail", "garbage-header", "tiny"])
+def test_a_damaged_store_is_refused_before_anything_writes(tmp_path, damage):
+    """A truncated or overwritten database is refused in one line when the store opens, by every command that
+    would write into it, and the file stays as it was (same bytes, no write-ahead log appears)."""
+    from typer.testing import CliRunner
+
+    from oscar_cli.cli import app
+
+    db = _filled_store(tmp_path / "s")
+    data = bytearray(db.read_bytes())
+    if damage == "truncate-half":
+        data = data[: len(data) // 2]
+    elif damage == "truncate-tail":
+        data = data[: len(data) - 4096]
+    elif damage == "garbage-header":
+        data[:4096] = bytes(range(256)) * 16
+    else:
+        data = data[:100]
+    db.write_bytes(bytes(data))
+    for create in (True, False):
+        with pytest.raises(StoreError, match="is damaged.*nothing was written") as e:
+            Store(tmp_path / "s", create=create)
+        assert "\n" not in str(e.value)
+    for args in (["collect", "--model", str(tmp_path / "no-model")], ["fit"], ["runs"],
+                 ["eval", "--tasks", "oscar_ppl", "--methods", "bf16"]):
+        r = CliRunner().invoke(app, [*args, "--store", str(tmp_path / "s")])
+        assert r.exit_code == 1 and "is damaged" in r.output and r.output.strip().count("\n") <= 1, (args, r.output)
+    assert db.read_bytes() == bytes(data) and sorted(p.name for p in (tmp_path / "s").iterdir()) == ["oscar.duckdb"]

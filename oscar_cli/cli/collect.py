@@ -49,6 +49,7 @@ def collect(
     from ..data import load_documents
 
     load_documents(cfg.data)
+    Store.verify(store)  # a damaged store is refused before the weights load
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     loaded = load_model(model, store, dtype=dtype, device=device)
     segments = prepare_segments(loaded, cfg)

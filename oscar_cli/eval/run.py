@@ -85,7 +85,7 @@ def run_eval(cfg: EvalConfig, store: Path, progress: Progress | None = None) -> 
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    st = Store(store)
+    st = Store(store)  # refuses a damaged store before the model loads
     loaded = load_model(cfg.model, store, dtype=dtype, device=device)
     head_dim = head_dim_of(loaded.config)
     artifacts = {}
