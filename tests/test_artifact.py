@@ -157,3 +157,17 @@ def test_a_failed_write_leaves_no_partial_artifact(tmp_path, monkeypatch):
 def test_not_an_artifact(tmp_path):
     with pytest.raises(art.ArtifactError, match="is not an artifact"):
         art.load_artifact(tmp_path)
+
+
+def test_an_artifact_has_the_permissions_of_any_other_file(tmp_path):
+    """Not the 0700 folder of a temporary directory: under umask 022 the folder is 0755 and its files 0644."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        p = art.write_artifact(tmp_path, MANIFEST, _tensors(), "")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in p.iterdir()} == {0o644}
