@@ -82,6 +82,14 @@ class Run:
     config: dict
     shape: dict
 
+    @property
+    def live_status(self) -> str:
+        """``status``, except that a run marked running whose process on this host is gone reads ``interrupted``
+        (killed with SIGKILL or a power loss: nothing got to record it; ``oscar collect --resume`` continues it)."""
+        if self.status == "running" and self.owner_host == _host() and not _pid_alive(self.owner_pid):
+            return "interrupted"
+        return self.status
+
 
 _RUN_COLS = [f for f in Run.__dataclass_fields__]
 

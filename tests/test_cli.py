@@ -1,6 +1,7 @@
 """The CLI end to end: a tiny random-weight Llama (fast) and the embedded default (slow)."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -219,3 +220,45 @@ def test_fit_allocates_widths_by_measured_sensitivity_and_inspect_shows_where_th
             for x in report["layers"] for kind in "kv"}
     chosen = {(x["layer"], kind) for x in report["layers"] for kind in "kv" if x[f"bits_{kind}"] == 4}
     assert min(gain[u] for u in chosen) >= max(g for u, g in gain.items() if u not in chosen)
+
+
+def test_a_real_sigkill_mid_collect_reads_interrupted_and_resumes_bit_exact(tmp_path, tiny_model_dir):
+    """``kill -9`` of a real ``oscar collect`` process once it has stored two batches: the store opens intact (the
+    killed transaction never happened), the run reads ``interrupted`` in ``oscar runs`` (its row still says running:
+    nothing got to record the kill), and ``--resume`` finishes it to the statistics of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    args = ["--model", str(tiny_model_dir), "--tokens", "8192", "--seq-len", "64", "--batch-size", "4",
+            "--reservoir", "96"]
+    store = tmp_path / "killed"
+    cmd = [sys.executable, "-c", "from oscar_cli.cli import main; main()", "collect", *args, "--store", str(store)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "collect ended before it could be killed"
+            runs = Store(store).list_runs() if (store / "oscar.duckdb").is_file() else []
+            if runs and runs[-1].batches_done >= 2:
+                break
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    run = Store(store).list_runs()[-1]
+    assert run.status == "running" and run.live_status == "interrupted" and 2 <= run.batches_done < run.num_batches
+    listed = json.loads(invoke("runs", "--store", store, "--json").stdout)
+    assert listed["runs"][-1]["status"] == "interrupted"
+    r = invoke("collect", *args, "--store", store, "--resume")
+    assert r.exit_code == 0, r.output
+    whole = tmp_path / "whole"
+    assert invoke("collect", *args, "--store", whole).exit_code == 0
+    a, b = Store(whole), Store(store)
+    ra, rb = a.get_run("latest"), b.get_run("latest")
+    assert rb.run_id == run.run_id and rb.tokens_done == ra.tokens_done and rb.live_status == "complete"
+    sa, sb = a.load_stats(ra.run_id), b.load_stats(rb.run_id)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        np.testing.assert_array_equal(sa[key][2], sb[key][2])

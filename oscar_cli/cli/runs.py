@@ -20,7 +20,7 @@ def runs(store: StoreOpt = DEFAULTS["store"], json_out: JsonOpt = False) -> None
     from ..store import Store
 
     st = Store(store, create=False)
-    run_rows = [dataclasses.asdict(r) for r in st.list_runs()]
+    run_rows = [{**dataclasses.asdict(r), "status": r.live_status} for r in st.list_runs()]
     arts = st.list_artifacts()
     if json_out:
         out.print_json(json.dumps({"runs": run_rows, "artifacts": arts}, default=str))
