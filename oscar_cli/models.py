@@ -255,12 +255,26 @@ def load_model(spec: str, store: Path, dtype: torch.dtype = torch.float32, devic
     target = str(folder) if folder is not None else spec
     try:
         tok = AutoTokenizer.from_pretrained(target)
+    except OSError as e:
+        raise ModelError(
+            f"cannot load model {spec!r} ({str(e).splitlines()[0][:160]}); pass a local folder, a .gguf file, "
+            f"or '{DEFAULT_MODEL}'"
+        ) from None
+    except Exception as e:  # noqa: BLE001  (transformers raises ValueError/TypeError/... for a missing tokenizer)
+        raise ModelError(f"cannot load the tokenizer of {spec!r} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120]}); the folder needs the tokenizer files saved beside the "
+                         "weights (tokenizer.json or the slow tokenizer's files)") from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
     except OSError as e:
         raise ModelError(
             f"cannot load model {spec!r} ({str(e).splitlines()[0][:160]}); pass a local folder, a .gguf file, "
             f"or '{DEFAULT_MODEL}'"
         ) from None
+    except Exception as e:  # noqa: BLE001  (safetensors, config and shape errors of a damaged checkpoint)
+        raise ModelError(f"cannot load the weights of {spec!r} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120]}); the checkpoint is damaged or incomplete: save it again "
+                         "with save_pretrained or pass another model") from None
     model.to(device).eval()
     meta = folder / FINGERPRINT_FILE if folder is not None else None
     fp = json.loads(meta.read_text())["fingerprint"] if meta is not None and meta.is_file() else fingerprint(model)

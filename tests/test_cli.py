@@ -156,6 +156,18 @@ def test_bad_input_fails_with_one_line_and_leaves_the_store_alone(tmp_path, tiny
                        "no CUDA device is visible")
     one_line_error(invoke("collect", "--model", tiny_model_dir, "--store", tiny_store, "--device", "gpu0"),
                    "is not a torch device")
+    import shutil
+
+    no_tok, broken = tmp_path / "no-tokenizer", tmp_path / "broken-weights"
+    for d in (no_tok, broken):
+        shutil.copytree(tiny_model_dir, d)
+    for f in no_tok.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    one_line_error(invoke("collect", "--model", no_tok, "--store", tiny_store), "needs the tokenizer files")
+    one_line_error(invoke("collect", "--model", broken, "--store", tiny_store), "the checkpoint is damaged")
     one_line_error(invoke("fit", "--store", tiny_store, "--artifacts", tmp_path / "a", "--layers", "0-7"),
                    "out of range: the model has layers 0-1")
     one_line_error(invoke("fit", "--store", tiny_store, "--artifacts", tmp_path / "a", "--group", "48"),
