@@ -60,7 +60,12 @@ class StoreError(OscarError):
 
 DB_HEADER_BYTES = 3 * 4096
 """DuckDB's file header (one main and two database headers of 4 KiB) before its blocks."""
-TABLES = ("runs", "stats", "samples", "artifacts", "evals")
+_READ_BACK = ("SELECT * FROM runs", "SELECT * FROM artifacts", "SELECT * FROM evals",
+              "SELECT count(*), sum(count), sum(list_sum(mat)) FROM stats",
+              "SELECT count(*), sum(priority), sum(list_sum(row)) FROM samples")
+"""Queries that read every stored value of every table (a damaged block fails its checksum or its read)."""
+_CHECKED: set[tuple[str, int, int]] = set()
+"""(path, size, mtime) of the database files this process found intact."""
 
 
 @dataclass(frozen=True)
@@ -139,23 +144,29 @@ class Store:
                           f"it aside and run `oscar collect` into a fresh store")
 
     def check(self) -> None:
-        """Refuse a damaged database file (read-only, nothing written): truncated below the blocks its header
-        declares, unreadable header or catalog, or a table that cannot be read."""
+        """Refuse a damaged database file (read-only, nothing written): shorter than the blocks in use, a header or
+        catalog that does not parse, or any stored value that cannot be read back (every table is read whole: ~0.2 s
+        for a 150 MB store; once per process for each state of the file)."""
         import duckdb
 
-        size = self.path.stat().st_size
+        stat = self.path.stat()
+        key = (str(self.path.resolve()), stat.st_size, stat.st_mtime_ns)
+        if key in _CHECKED:
+            return
+        size = stat.st_size
         if size < DB_HEADER_BYTES:
             raise self._damaged(f"{size} bytes, less than a database header")
         try:
             with self._connect(read_only=True) as con:
-                block, blocks = con.execute("SELECT block_size, total_blocks FROM pragma_database_size()").fetchone()
-                want = DB_HEADER_BYTES + int(block) * int(blocks)
+                block, used = con.execute("SELECT block_size, used_blocks FROM pragma_database_size()").fetchone()
+                want = DB_HEADER_BYTES + int(block) * int(used)  # free blocks at the end may be cut off, used ones not
                 if size < want:
-                    raise self._damaged(f"truncated: {size} bytes of the {want} its header declares")
-                for table in TABLES:
-                    con.execute(f"SELECT count(*) FROM {table}").fetchone()
+                    raise self._damaged(f"truncated: {size} bytes, fewer than the {want} its blocks in use need")
+                for query in _READ_BACK:
+                    con.execute(query).fetchall()
         except duckdb.Error as e:
             raise self._damaged(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}") from None
+        _CHECKED.add(key)
 
     @contextmanager
     def _connect(self, read_only: bool = False):

@@ -78,10 +78,10 @@ def _filled_store(path):
     return path / "oscar.duckdb"
 
 
-@pytest.mark.parametrize("damage", ["truncate-half", "truncate-tail", "garbage-header", "tiny"])
+@pytest.mark.parametrize("damage", ["truncate-half", "truncate-tail", "garbage-header", "tiny", "flipped-block"])
 def test_a_damaged_store_is_refused_before_anything_writes(tmp_path, damage):
-    """A truncated or overwritten database is refused in one line when the store opens, by every command that
-    would write into it, and the file stays as it was (same bytes, no write-ahead log appears)."""
+    """A truncated, overwritten or bit-flipped database is refused in one line when the store opens, by every command
+    that would write into it, and the file stays as it was (same bytes, no write-ahead log appears)."""
     from typer.testing import CliRunner
 
     from oscar_cli.cli import app
@@ -94,6 +94,9 @@ def test_a_damaged_store_is_refused_before_anything_writes(tmp_path, damage):
         data = data[: len(data) - 4096]
     elif damage == "garbage-header":
         data[:4096] = bytes(range(256)) * 16
+    elif damage == "flipped-block":  # a data block's bytes changed in place: same size, its checksum fails
+        mid = len(data) // 2
+        data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
     else:
         data = data[:100]
     db.write_bytes(bytes(data))

@@ -117,11 +117,9 @@ def _describe(info: dict) -> str:
 def _run_transformers(model: str, artifact: str | None, store: Path, cfg) -> None:
     import dataclasses
 
-    import uvicorn
-
     from ..models import resolve
     from ..serve.engine import TransformersEngine
-    from ..serve.openai_server import create_app
+    from ..serve.openai_server import create_app, draining_server
 
     slug = resolve(model, store)[0]
     path = _artifact_path(artifact, store, slug)
@@ -129,8 +127,7 @@ def _run_transformers(model: str, artifact: str | None, store: Path, cfg) -> Non
     sock = _bind(cfg.host, cfg.port)
     cfg = dataclasses.replace(cfg, port=sock.getsockname()[1])
     app_ = create_app(eng, cfg)
-    server = uvicorn.Server(uvicorn.Config(app_, host=cfg.host, port=cfg.port, log_level="warning",
-                                           timeout_graceful_shutdown=cfg.shutdown_timeout_s))
+    server = draining_server(app_, eng, cfg, log_level="warning")
     console.print(f"serving {_describe(eng.describe())} at {cfg.url} (engine transformers, model id "
                   f"'{cfg.model_id or eng.loaded.slug}'); Ctrl-C or SIGTERM stops it", highlight=False, soft_wrap=True)
     stopped_by: list[int] = []

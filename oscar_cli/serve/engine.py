@@ -24,6 +24,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,6 +320,16 @@ class TransformersEngine:
         if worker is not None:
             self._queue.put(_STOP)
             worker.join(timeout)
+
+    def drain(self, grace: float) -> None:
+        """Take no new requests; let the queued and running ones finish for up to ``grace`` seconds, then cancel what
+        is left (each gets ``Finished("cancelled")``) and join the worker: a graceful shutdown."""
+        with self._lock:
+            self._stopping.set()
+        deadline = time.monotonic() + grace
+        while (self.busy or self.queue_depth()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.stop(cancel=True, timeout=max(grace, 1.0))
 
     @property
     def running(self) -> bool:

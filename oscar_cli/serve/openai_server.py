@@ -131,6 +131,24 @@ class _SSEResponse(StreamingResponse):
                 j.request.cancel()
 
 
+def draining_server(app, engine: TransformersEngine, config: ServeConfig, **uvicorn_kw):
+    """A ``uvicorn.Server`` for ``app`` whose shutdown (SIGINT/SIGTERM) first stops listening, then drains
+    ``engine``: queued and running requests get ``config.shutdown_timeout_s`` to finish, what is left is cancelled,
+    so every stream still open ends with an error event and ``[DONE]`` and every non-streaming request with a 503,
+    instead of being cut by the server's own cancellation."""
+    import uvicorn
+
+    class _Draining(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            for server in self.servers:
+                server.close()  # no new connections while the engine drains
+            await asyncio.to_thread(engine.drain, config.shutdown_timeout_s)
+            await super().shutdown(sockets)
+
+    return _Draining(uvicorn.Config(app, host=config.host, port=config.port,
+                                    timeout_graceful_shutdown=config.shutdown_timeout_s + 5.0, **uvicorn_kw))
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 

@@ -30,19 +30,17 @@ def free_port() -> int:
 
 
 class Server:
-    """``create_app(engine, config)`` under uvicorn in a background thread on a free port."""
+    """``create_app(engine, config)`` under the server ``oscar serve`` runs (:func:`draining_server`: in-flight
+    requests get ``grace_s`` to finish at shutdown) in a background thread on a free port."""
 
     def __init__(self, engine, grace_s: float = 2.0, **config):
-        import uvicorn
-
         from oscar_cli.serve.config import ServeConfig
-        from oscar_cli.serve.openai_server import create_app
+        from oscar_cli.serve.openai_server import create_app, draining_server
 
         self.engine = engine
-        self.config = ServeConfig(port=free_port(), **config)
+        self.config = ServeConfig(port=free_port(), shutdown_timeout_s=grace_s, **config)
         self.app = create_app(engine, self.config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.config.port,
-                                                    log_level="warning", timeout_graceful_shutdown=grace_s))
+        self.server = draining_server(self.app, engine, self.config, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

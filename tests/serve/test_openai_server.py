@@ -442,8 +442,10 @@ def test_in_flight_gauge_sees_a_running_request(bf16_server):
     wait_until(lambda: idle(eng))
 
 
-def test_shutdown_cancels_what_is_left(word_model, serve_store):
-    """Past the grace period the server cancels an unfinished stream; its lifespan stops the engine's worker."""
+def test_shutdown_ends_each_stream_with_an_error_event_and_done(word_model, serve_store):
+    """Past the grace period the server cancels an unfinished stream, which still ends well-formed (an error event
+    typed shutting_down, then ``[DONE]``) instead of being cut; a request sent meanwhile is refused (no new
+    connections); the lifespan stops the engine's worker."""
     srv = Server(load_engine(word_model, serve_store), grace_s=0.3, model_id="tiny")
     r = _open_stream(srv, 1000)
     lines = r.iter_lines()
@@ -451,13 +453,31 @@ def test_shutdown_cancels_what_is_left(word_model, serve_store):
     assert srv.engine.busy
     stopper = threading.Thread(target=srv.stop)
     stopper.start()
+    rest = [ln for ln in lines if ln]
     stopper.join(30)
     assert not stopper.is_alive() and not srv.engine.running and not srv.engine.busy
     assert srv.engine.stats.cancelled == 1 and srv.engine.stats.generated_tokens < 1000
-    rest = []
-    with contextlib.suppress(requests.exceptions.RequestException):
-        rest = [ln for ln in lines if ln]
-    assert b"data: [DONE]" not in rest
+    assert rest[-1] == b"data: [DONE]"
+    err = json.loads(rest[-2].removeprefix(b"data: "))["error"]
+    assert err["code"] == "shutting_down" and err["type"] == "server_error"
+    with pytest.raises(requests.exceptions.ConnectionError):
+        requests.get(srv.url + "/models", timeout=5)
+    r.close()
+
+
+def test_shutdown_lets_a_short_stream_finish(word_model, serve_store):
+    """Within the grace period a running stream finishes normally (its finish reason, then ``[DONE]``)."""
+    srv = Server(load_engine(word_model, serve_store), grace_s=20.0, model_id="tiny")
+    r = _open_stream(srv, 300)
+    lines = r.iter_lines()
+    next(lines)
+    assert srv.engine.busy  # still generating when the shutdown begins
+    stopper = threading.Thread(target=srv.stop)
+    stopper.start()
+    rest = [ln for ln in lines if ln]
+    stopper.join(30)
+    assert not stopper.is_alive() and srv.engine.stats.cancelled == 0
+    assert rest[-1] == b"data: [DONE]" and b'"finish_reason": "length"' in rest[-2]
     r.close()
 
 
