@@ -100,10 +100,14 @@ def test_radix_cache_from_sglangs_registry_caps_matches(loaded):
     assert len(cache.match_prefix(MatchPrefixParams(key=RadixKey(q))).device_indices) == 37  # SGLang's own re-match
 
 
-@pytest.mark.parametrize("scale_dtype", ["fp16", "fp8"])
+@pytest.mark.parametrize("scale_dtype", ["fp16", "fp8", "fp8-allocated"])
 def test_pool_and_backend_over_sglangs_base_classes(loaded, tmp_path, scale_dtype):
     """The pool hook builds the OSCAR pool, the backend plans and runs an extend and a decode step of two layers;
-    with fp16 scales and with FP8 ones (the artifact's per-head multipliers reach the pool)."""
+    with fp16 scales, with FP8 ones (the artifact's per-head multipliers reach the pool), and with an allocation
+    (4-bit keys in layer 0, 4-bit values in layer 1, as ``oscar fit --bits-per-element`` writes)."""
+    allocated = scale_dtype == "fp8-allocated"
+    scale_dtype = "fp8" if allocated else scale_dtype
+    widths = dict(bits_k=(4, 2), bits_v=(2, 4)) if allocated else {}
     from oscar_kernels.scheme import QuantScheme
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -121,7 +125,8 @@ def test_pool_and_backend_over_sglangs_base_classes(loaded, tmp_path, scale_dtyp
     m = Manifest(model_slug="t", model_fingerprint="sha256:t", run_id=None, stats_digest="", data_digest="",
                  calibration_tokens=0, method="hadamard", per_head=True, layers=tuple(range(L)),
                  shape=AttentionShape(L, HQ, HKV, D), scheme=QuantScheme(group=D, sink=4, recent=8,
-                                                                         scale_dtype=scale_dtype), fit_clip=False,
+                                                                         scale_dtype=scale_dtype, **widths),
+                 fit_clip=False,
                  clip_grid=(), metrics={})
     art = write_artifact(tmp_path / "arts", m, t, "")
     hf = {"model_type": "llama", "num_hidden_layers": L, "num_attention_heads": HQ, "num_key_value_heads": HKV,
@@ -135,7 +140,8 @@ def test_pool_and_backend_over_sglangs_base_classes(loaded, tmp_path, scale_dtyp
     kvc = SimpleNamespace(server_args=sa, model_config=mc, is_draft_worker=False, device=DEVICE,
                           kv_cache_dtype=torch.bfloat16, ps=SimpleNamespace(attn_tp_size=1, attn_tp_rank=0),
                           layer_info=SimpleNamespace(start_layer=0, num_effective_layers=L))
-    assert plugin.around_cell_size(None, None, kvc, L) == L * 2 * HKV * (D // 4 + (2 if fp8 else 4))
+    high_plane = D // 4 if allocated else 0  # one 4-bit kind per layer: a second plane of code bytes
+    assert plugin.around_cell_size(None, None, kvc, L) == L * HKV * (2 * (D // 4 + (2 if fp8 else 4)) + high_plane)
     pool = plugin.around_build_pool(None, kvc, max_total_num_tokens=100, mha_pool_class=None)
     layers = [RadixAttention(HQ, D, D ** -0.5, HKV, layer_id=i) for i in range(L)]
     rtp = ReqToTokenPool(size=3, max_context_len=64, device=DEVICE, enable_memory_saver=False)
@@ -166,3 +172,4 @@ def test_pool_and_backend_over_sglangs_base_classes(loaded, tmp_path, scale_dtyp
     assert Path(pool.setup.settings.artifact) == art
     c = pool.oscar.pool.layer(1)
     assert c.fp8 == fp8 and (not fp8 or torch.equal(c.v.mult.cpu(), t["mult_v"][1]))
+    assert (c.k.bits, c.v.bits) == ((2, 4) if allocated else (2, 2))
