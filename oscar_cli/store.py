@@ -153,17 +153,21 @@ class Store:
         key = (str(self.path.resolve()), stat.st_size, stat.st_mtime_ns)
         if key in _CHECKED:
             return
-        size = stat.st_size
-        if size < DB_HEADER_BYTES:
-            raise self._damaged(f"{size} bytes, less than a database header")
         try:
             with self._connect(read_only=True) as con:
+                # sizes read while this connection holds the file: a writer that closed just before may have
+                # checkpointed into it since the first look
+                stat = self.path.stat()
+                key = (str(self.path.resolve()), stat.st_size, stat.st_mtime_ns)
+                if stat.st_size < DB_HEADER_BYTES:
+                    raise self._damaged(f"{stat.st_size} bytes, less than a database header")
                 block, used = con.execute("SELECT block_size, used_blocks FROM pragma_database_size()").fetchone()
                 want = DB_HEADER_BYTES + int(block) * int(used)  # free blocks at the end may be cut off, used ones not
                 wal = self.path.with_name(self.path.name + ".wal")
                 # with a write-ahead log not yet checkpointed, blocks in use may still live in the log alone
-                if size < want and not (wal.is_file() and wal.stat().st_size > 0):
-                    raise self._damaged(f"truncated: {size} bytes, fewer than the {want} its blocks in use need")
+                if stat.st_size < want and not (wal.is_file() and wal.stat().st_size > 0):
+                    raise self._damaged(f"truncated: {stat.st_size} bytes, fewer than the {want} its blocks in use "
+                                        "need")
                 for query in _READ_BACK:
                     con.execute(query).fetchall()
         except duckdb.Error as e:
