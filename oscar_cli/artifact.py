@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -47,6 +48,11 @@ MANIFEST_SCHEMA = 3
 its hash over ``rotations.safetensors`` alone) and version 1 (no ``schema_version``, the scheme under ``quant``) are
 read and checked by the rule they were written with."""
 READ_SCHEMAS = (1, 2, MANIFEST_SCHEMA)
+
+
+SLUG = re.compile(r"[a-z0-9_-][a-z0-9._-]*(?<!\.)")
+"""What a model slug may be (:func:`oscar_cli.models.slugify`'s output): a folder name, never ``.``/``..`` or a
+path."""
 
 
 class ArtifactError(OscarError):
@@ -128,6 +134,9 @@ class Manifest:
         if not consistent:
             raise ArtifactError(f"{where} is inconsistent (scheme group {scheme.group}, layers {list(m.layers)}, "
                                 f"shape {shape}); re-run `oscar fit`")
+        if not SLUG.fullmatch(m.model_slug):
+            raise ArtifactError(f"{where}: model_slug {m.model_slug!r} is not a plain name (it names a folder); "
+                                "re-run `oscar fit`")
         return m
 
 
@@ -215,6 +224,8 @@ def write_artifact(root: Path, manifest: Manifest, tensors: dict[str, torch.Tens
     from safetensors.torch import save_file
 
     _check_tensors(tensors, manifest, "the fitted tensors")
+    if not SLUG.fullmatch(manifest.model_slug):
+        raise ArtifactError(f"model slug {manifest.model_slug!r} is not a plain name; it names the artifact's folder")
     model_dir = Path(root) / manifest.model_slug
     model_dir.mkdir(parents=True, exist_ok=True)
     tmp = staging_dir(model_dir)

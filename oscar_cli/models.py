@@ -106,7 +106,9 @@ def attention_modules(model) -> dict[int, torch.nn.Module]:
 def slugify(spec: str) -> str:
     name = Path(spec).name if (spec.endswith(".gguf") or os.path.isdir(spec)) else spec.replace("/", "--")
     name = re.sub(r"\.gguf$", "", name)
-    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
+    # no separators, and no leading or trailing dots: a slug names folders (artifacts/<slug>, models/<slug>), so
+    # ".." or "." must never come out of it
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.") or "model"
 
 
 def _install_hint(pkg: str) -> str:
