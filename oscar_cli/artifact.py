@@ -220,23 +220,25 @@ def _next_version(model_dir: Path) -> int:
 
 def write_artifact(root: Path, manifest: Manifest, tensors: dict[str, torch.Tensor], recipe_text: str) -> Path:
     """Write a new version atomically; returns its folder. The manifest gets ``created``, ``code_version`` and
-    ``content_hash``; the tensors are checked against it first."""
-    from safetensors.torch import save_file
-
+    ``content_hash``; the tensors are checked against it first. A write that fails (a full disk) leaves nothing
+    behind and raises a one-line :class:`ArtifactError`."""
     _check_tensors(tensors, manifest, "the fitted tensors")
     if not SLUG.fullmatch(manifest.model_slug):
         raise ArtifactError(f"model slug {manifest.model_slug!r} is not a plain name; it names the artifact's folder")
     model_dir = Path(root) / manifest.model_slug
     model_dir.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(model_dir)
     try:
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / TENSOR_FILE))
-        full = dataclasses.replace(manifest, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                   code_version=code_version(), schema_version=MANIFEST_SCHEMA)
-        full = dataclasses.replace(full, content_hash=content_digest(tmp / TENSOR_FILE, full))
-        (tmp / MANIFEST_FILE).write_text(json.dumps(full.to_dict(), indent=2, sort_keys=True) + "\n")
-        (tmp / RECIPE_FILE).write_text(recipe_text)
-        share_like_umask(tmp)
+        tmp = staging_dir(model_dir)
+    except OSError as e:
+        raise ArtifactError(f"cannot write an artifact under {model_dir} ({e.strerror}); free space or pass "
+                            "another --artifacts folder") from None
+    try:
+        _write_files(tmp, manifest, tensors, recipe_text)
+    except OSError as e:  # a full disk, a quota: nothing is left behind (the temporary folder goes below)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ArtifactError(f"cannot write the artifact under {model_dir} ({e.strerror or e}); nothing was written: "
+                            "free space or pass another --artifacts folder, then fit again") from None
+    try:
         for _ in range(100):
             dest = model_dir / f"v{_next_version(model_dir)}"
             try:
@@ -248,6 +250,20 @@ def write_artifact(root: Path, manifest: Manifest, tensors: dict[str, torch.Tens
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_files(tmp: Path, manifest: Manifest, tensors: dict[str, torch.Tensor], recipe_text: str) -> None:
+    """The artifact's three files into the staging folder ``tmp`` (the manifest gets ``created``, ``code_version``
+    and its ``content_hash``), with the permissions of any other file the user creates."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / TENSOR_FILE))
+    full = dataclasses.replace(manifest, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               code_version=code_version(), schema_version=MANIFEST_SCHEMA)
+    full = dataclasses.replace(full, content_hash=content_digest(tmp / TENSOR_FILE, full))
+    (tmp / MANIFEST_FILE).write_text(json.dumps(full.to_dict(), indent=2, sort_keys=True) + "\n")
+    (tmp / RECIPE_FILE).write_text(recipe_text)
+    share_like_umask(tmp)
 
 
 def _check_tensors(tensors: dict[str, torch.Tensor], m: Manifest, where) -> None:

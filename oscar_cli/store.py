@@ -139,6 +139,15 @@ class Store:
         if path.is_file():
             cls(root, create=False)
 
+    def _io_error(self, e: Exception) -> StoreError:
+        """A failed read or write of the database as one line: a full disk says so (the transaction that hit it
+        rolled back: the store is as it was before it), anything else reads as damage."""
+        first = str(e).splitlines()[0][:160]
+        if "no space left" in str(e).lower() or "disk full" in str(e).lower():
+            return StoreError(f"store {self.path}: the disk is full ({first}); nothing of this step was stored (the "
+                              "store is as before it): free space, then run the command again (collect: --resume)")
+        return self._damaged(f"{type(e).__name__} while reading it: {first}")
+
     def _damaged(self, why: str) -> StoreError:
         return StoreError(f"store {self.path} is damaged ({why}); nothing was written to it: restore a copy, or move "
                           f"it aside and run `oscar collect` into a fresh store")
@@ -200,7 +209,7 @@ class Store:
         try:
             yield con
         except (duckdb.IOException, duckdb.FatalException, duckdb.InternalException) as e:
-            raise self._damaged(f"{type(e).__name__} while reading it: {str(e).splitlines()[0][:160]}") from None
+            raise self._io_error(e) from None
         finally:
             con.close()
 

@@ -142,16 +142,30 @@ def test_fingerprint_mismatch_shows_both_values(tmp_path):
         art.load_artifact(p, expected_fingerprint="sha256:bb")
 
 
-def test_a_failed_write_leaves_no_partial_artifact(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["tensors", "manifest"])
+def test_a_full_disk_during_the_write_leaves_nothing_and_says_so(tmp_path, monkeypatch, where):
+    """ENOSPC while the tensors or the manifest are written: one line naming the folder and the fix, no version
+    folder, no temporary folder, earlier versions untouched."""
+    import errno
+
     import safetensors.torch
 
-    def boom(*a, **k):
-        raise OSError("disk full")
+    first = art.write_artifact(tmp_path, MANIFEST, _tensors(), "")
+    before = sorted(p.name for p in (tmp_path / "m").iterdir())
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
-    with pytest.raises(OSError):
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "tensors":
+        monkeypatch.setattr(safetensors.torch, "save_file", full)
+    else:
+        monkeypatch.setattr(art.Path, "write_text", full)
+    with pytest.raises(art.ArtifactError, match="No space left on device.*nothing was written.*free space") as e:
         art.write_artifact(tmp_path, MANIFEST, _tensors(), "")
-    assert list((tmp_path / "m").iterdir()) == []
+    assert "\n" not in str(e.value)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == before == ["v1"]
+    assert art.load_artifact(first).manifest.content_hash
 
 
 def test_not_an_artifact(tmp_path):

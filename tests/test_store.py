@@ -109,3 +109,47 @@ def test_a_damaged_store_is_refused_before_anything_writes(tmp_path, damage):
         r = CliRunner().invoke(app, [*args, "--store", str(tmp_path / "s")])
         assert r.exit_code == 1 and "is damaged" in r.output and r.output.strip().count("\n") <= 1, (args, r.output)
     assert db.read_bytes() == bytes(data) and sorted(p.name for p in (tmp_path / "s").iterdir()) == ["oscar.duckdb"]
+
+
+def test_a_full_disk_mid_batch_rolls_back_and_says_so(tmp_path, monkeypatch):
+    """ENOSPC while a batch's transaction writes (after its statistics, before its samples): one line naming the
+    full disk and the fix; the store holds the previous batch exactly (statistics, reservoir, progress)."""
+    import contextlib
+
+    import duckdb
+
+    st = Store(tmp_path)
+    rid = _new_run(st)
+    mat = np.random.default_rng(1).standard_normal((4, 4))
+    samples = {(0, "k"): (np.array([3]), np.array([0.2]), np.ones((1, 8), np.float32))}
+    st.save_batch(rid, 1, 4, {(0, 0, "q"): (10.0, 10.0, mat)}, samples, None)
+    real = Store._connect
+
+    class FullDisk:
+        def __init__(self, con):
+            self.con = con
+
+        def execute(self, sql, *a):
+            if "samples" in sql and "INSERT" in sql.upper():
+                raise duckdb.IOException('IO Error: Could not write file "oscar.duckdb": No space left on device')
+            return self.con.execute(sql, *a)
+
+        def __getattr__(self, name):
+            return getattr(self.con, name)
+
+    @contextlib.contextmanager
+    def full_disk(self, read_only=False):
+        with real(self, read_only) as con:
+            yield con if read_only else FullDisk(con)
+
+    monkeypatch.setattr(Store, "_connect", full_disk)
+    more = {(0, "k"): (np.array([9]), np.array([0.1]), np.zeros((1, 8), np.float32))}
+    with pytest.raises(StoreError, match="the disk is full.*nothing of this step was stored.*free space") as e:
+        st.save_batch(rid, 2, 8, {(0, 0, "q"): (20.0, 20.0, 2 * mat)}, more, None)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(Store, "_connect", real)
+    stats = st.load_stats(rid)
+    assert stats[(0, 0, "q")][0] == 10.0
+    np.testing.assert_array_equal(stats[(0, 0, "q")][2], mat)
+    assert st.load_samples(rid)[(0, "k")][0].tolist() == [3]
+    assert st.get_run(rid).batches_done == 1
