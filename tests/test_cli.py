@@ -274,3 +274,35 @@ def test_a_real_sigkill_mid_collect_reads_interrupted_and_resumes_bit_exact(tmp_
     assert sa.keys() == sb.keys()
     for key in sa:
         np.testing.assert_array_equal(sa[key][2], sb[key][2])
+
+
+def test_two_collects_into_one_store_at_once_both_finish(tmp_path, tiny_model_dir):
+    """Two ``oscar collect`` processes on one store at the same time (different data): each batch is one short
+    transaction, so they take turns and both finish with their own complete run and the statistics each would
+    have alone."""
+    import subprocess
+    import sys
+
+    texts = []
+    for i in range(2):
+        t = tmp_path / f"text{i}.txt"
+        t.write_text(" ".join(f"w{(i * 7 + j) % 50}" for j in range(20000)))
+        texts.append(t)
+    args = ["--model", str(tiny_model_dir), "--tokens", "2048", "--seq-len", "64", "--batch-size", "4",
+            "--reservoir", "96"]
+    shared = tmp_path / "shared"
+    procs = [subprocess.Popen([sys.executable, "-c", "from oscar_cli.cli import main; main()", "collect", *args,
+                               "--data", str(t), "--store", str(shared)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for t in texts]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    runs = Store(shared).list_runs()
+    assert sorted(r.live_status for r in runs) == ["complete", "complete"]
+    for t in texts:  # the same statistics as a collect alone
+        alone = tmp_path / f"alone-{t.stem}"
+        assert invoke("collect", *args, "--data", t, "--store", alone).exit_code == 0
+        ra = Store(alone).get_run("latest")
+        rs = next(r for r in runs if r.data_digest == ra.data_digest)
+        sa, ss = Store(alone).load_stats(ra.run_id), Store(shared).load_stats(rs.run_id)
+        for key in sa:
+            np.testing.assert_array_equal(sa[key][2], ss[key][2])
