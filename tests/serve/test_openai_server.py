@@ -13,9 +13,9 @@ import openai
 import pytest
 import requests
 import torch
+from helpers import WordKit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import WordKit
 from serve_kit import Server, load_engine, wait_until
 
 from oscar_cli.serve.engine import SamplingParams
