@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -32,6 +33,7 @@ def load_benchmark(name: str):
     """The script ``benchmarks/<name>.py`` as a module (benchmarks/ is not a package)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is made
     spec.loader.exec_module(mod)
     return mod
 
