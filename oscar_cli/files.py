@@ -4,13 +4,37 @@ the user creates would have (``tempfile.mkdtemp`` makes a folder only its owner 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 
 def staging_dir(parent: Path, prefix: str = ".tmp-") -> Path:
-    """A new empty folder under ``parent`` to build in (remove it on failure, rename it when done)."""
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    """A new empty folder under ``parent`` to build in (remove it on failure, rename it when done), named after this
+    process (``<prefix><pid>-...``); the staging folders of processes that are gone (``kill -9``) are removed first."""
+    sweep_stale(parent, prefix)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(parent: Path, prefix: str = ".tmp-") -> list[Path]:
+    """Remove the staging folders under ``parent`` left by processes of this host that no longer run; returns them."""
+    gone = []
+    for p in Path(parent).glob(f"{prefix}*"):
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if p.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
 
 
 def umask() -> int:

@@ -185,3 +185,21 @@ def test_an_artifact_has_the_permissions_of_any_other_file(tmp_path):
         os.umask(old)
     assert stat.S_IMODE(p.stat().st_mode) == 0o755
     assert {stat.S_IMODE(f.stat().st_mode) for f in p.iterdir()} == {0o644}
+
+
+def test_staging_folders_of_dead_processes_are_swept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from oscar_cli.files import staging_dir, sweep_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    (tmp_path / f".tmp-{pid}-abc").mkdir()
+    (tmp_path / f".tmp-{os.getppid()}-live").mkdir()  # a process that runs: kept
+    (tmp_path / ".tmp-xyz").mkdir()  # not ours to judge: kept
+    mine = staging_dir(tmp_path)
+    assert mine.name.startswith(f".tmp-{os.getpid()}-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, f".tmp-{os.getppid()}-live", ".tmp-xyz"])
+    assert sweep_stale(tmp_path) == []

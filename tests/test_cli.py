@@ -306,3 +306,49 @@ def test_two_collects_into_one_store_at_once_both_finish(tmp_path, tiny_model_di
         sa, ss = Store(alone).load_stats(ra.run_id), Store(shared).load_stats(rs.run_id)
         for key in sa:
             np.testing.assert_array_equal(sa[key][2], ss[key][2])
+
+
+def test_kill_9_of_fit_and_eval_at_several_points_leaves_a_consistent_store(tmp_path, tiny_store, tiny_model_dir):
+    """A real ``kill -9`` of ``oscar fit`` and of ``oscar eval`` at several moments (while the model loads, while it
+    works, around the end): every artifact folder that exists loads and every registered artifact exists; an
+    artifact folder is either whole or absent (its staging folder is swept by the next write); eval rows are whole
+    methods. Then both commands run to the end on the same store and artifacts."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from oscar_cli import artifact as art
+
+    arts = tmp_path / "artifacts"
+    main = [sys.executable, "-c", "from oscar_cli.cli import main; main()"]
+    fit = [*main, "fit", "--store", str(tiny_store), "--artifacts", str(arts), "--sink", "4", "--recent", "8"]
+    data = tmp_path / "text.txt"
+    data.write_text(" ".join(f"w{i % 50}" for i in range(3000)))
+    ev = [*main, "eval", "--store", str(tiny_store), "--model", str(tiny_model_dir), "--tasks", "oscar_ppl",
+          "--methods", "bf16,int2-naive,int2-hadamard", "--seq-lengths", "64", "--limit", "2", "--data", str(data)]
+    snapshots = []
+    for cmd in (fit, ev):
+        for delay in (0.5, 2.0, 3.5, 5.0):
+            p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(delay)
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=60)
+            st = Store(tiny_store)
+            registered = {a["path"] for a in st.list_artifacts()}
+            on_disk = {str(v.resolve()) for v in arts.glob("*/v*")} if arts.exists() else set()
+            assert registered <= on_disk, (cmd[3], delay)
+            for v in on_disk:
+                art.load_artifact(v)  # whole, or it would not be there
+            rows = st.list_evals()
+            snapshots.append({m: sum(r["method"] == m for r in rows) for m in {r["method"] for r in rows}})
+    assert invoke("fit", "--store", tiny_store, "--artifacts", arts, "--sink", "4", "--recent", "8").exit_code == 0
+    assert not list(arts.glob("*/.tmp-*"))  # staging folders of killed fits swept
+    before = len(Store(tiny_store).list_evals())
+    r = invoke(*ev[3:])
+    assert r.exit_code == 0, r.output
+    rows = Store(tiny_store).list_evals()[before:]
+    unit = {m: sum(x["method"] == m for x in rows) for m in ("bf16", "int2-naive", "int2-hadamard")}
+    assert len(set(unit.values())) == 1 and unit["bf16"] >= 1
+    assert all(n % unit["bf16"] == 0 for snap in snapshots for n in snap.values()), snapshots  # whole methods only
