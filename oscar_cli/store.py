@@ -58,6 +58,15 @@ class StoreError(OscarError):
     pass
 
 
+STORE_SCHEMA = 2
+"""Version 2: a ``meta`` table records the schema version. Version 1 (stores written before it, no ``meta``) is
+migrated in place when a command that may write opens the store (:data:`MIGRATIONS`)."""
+MIGRATIONS = {
+    1: ["CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)"],
+}
+"""SQL that takes a store from version ``v`` to ``v + 1``, run in one transaction with the version update."""
+
+
 DB_HEADER_BYTES = 3 * 4096
 """DuckDB's file header (one main and two database headers of 4 KiB) before its blocks."""
 _READ_BACK = ("SELECT * FROM runs", "SELECT * FROM artifacts", "SELECT * FROM evals",
@@ -128,8 +137,45 @@ class Store:
             self.check()  # a damaged store is refused before anything writes into it
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
+            fresh = not self.path.is_file()
             with self._connect() as con:
                 con.execute(SCHEMA)
+                if fresh:
+                    con.execute(MIGRATIONS[1][0])
+                    con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(STORE_SCHEMA)])
+            self.migrate()
+        elif self.schema_version() > STORE_SCHEMA:
+            raise self._newer()
+
+    def _newer(self) -> StoreError:
+        return StoreError(f"store {self.path} has schema version {self.schema_version()}, written by a newer oscar-kv "
+                          f"(this one reads up to {STORE_SCHEMA}); upgrade oscar-kv or use another --store")
+
+    def schema_version(self) -> int:
+        """The store's schema version (1: written before the ``meta`` table existed)."""
+        with self._connect(read_only=True) as con:
+            has_meta = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'"
+                                   ).fetchone()[0]
+            if not has_meta:
+                return 1
+            row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        return int(row[0]) if row else 1
+
+    def migrate(self) -> list[int]:
+        """Bring the store to :data:`STORE_SCHEMA`, one transaction per step (an interrupted migration leaves a
+        store of the previous version); returns the versions migrated from. A newer store is refused."""
+        done = []
+        version = self.schema_version()
+        if version > STORE_SCHEMA:
+            raise self._newer()
+        while version < STORE_SCHEMA:
+            with self.transaction() as con:
+                for sql in MIGRATIONS[version]:
+                    con.execute(sql)
+                con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(version + 1)])
+            done.append(version)
+            version += 1
+        return done
 
     @classmethod
     def verify(cls, root: Path) -> None:

@@ -153,3 +153,33 @@ def test_a_full_disk_mid_batch_rolls_back_and_says_so(tmp_path, monkeypatch):
     np.testing.assert_array_equal(stats[(0, 0, "q")][2], mat)
     assert st.load_samples(rid)[(0, "k")][0].tolist() == [3]
     assert st.get_run(rid).batches_done == 1
+
+
+def test_a_version_1_store_is_migrated_in_place_and_a_newer_one_refused(tmp_path):
+    """A store written before the schema version existed (no ``meta`` table) keeps its runs and statistics and is
+    migrated to the current version when opened for writing; read-only opens leave it as it is; a store of a newer
+    version is refused in one line."""
+    import duckdb
+
+    from oscar_cli import store as store_mod
+
+    db = tmp_path / "old" / "oscar.duckdb"
+    db.parent.mkdir()
+    con = duckdb.connect(str(db))
+    con.execute(store_mod.SCHEMA)  # the tables as version 1 made them, no meta table
+    con.close()
+    st = Store(tmp_path / "old", create=False)
+    assert st.schema_version() == 1  # opened without writing: not migrated
+    st = Store(tmp_path / "old")
+    assert st.schema_version() == store_mod.STORE_SCHEMA and st.migrate() == []
+    rid = _new_run(st)
+    assert st.get_run(rid).status == "running"
+    fresh = Store(tmp_path / "fresh")
+    assert fresh.schema_version() == store_mod.STORE_SCHEMA
+    con = duckdb.connect(str(tmp_path / "fresh" / "oscar.duckdb"))
+    con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    con.close()
+    for create in (True, False):
+        with pytest.raises(StoreError, match="schema version 99, written by a newer oscar-kv") as e:
+            Store(tmp_path / "fresh", create=create)
+        assert "\n" not in str(e.value)
