@@ -85,6 +85,23 @@ def test_hooks_pass_through_for_other_backends():
     assert plugin.around_cell_size(original, "cfg", draft, 2) == 123
 
 
+def test_memory_hooks_refuse_a_budget_too_small_and_a_layer_count_mismatch(monkeypatch):
+    """The fixed bytes (exact regions, anchors, workspaces) larger than SGLang's KV budget, and SGLang sizing another
+    number of layers than the pool holds, are refused in one line naming the fix; otherwise the budget loses the
+    fixed bytes and the cell is the pool's."""
+    budget = SimpleNamespace(fixed=3 * 2**30, cell=4321)
+    monkeypatch.setattr(plugin, "rank_setup_of", lambda kvc: SimpleNamespace(budget=budget, num_layers=36))
+    kvc = SimpleNamespace(server_args=SimpleNamespace(attention_backend="oscar"), is_draft_worker=False)
+    with pytest.raises(ServeRefusal) as e:
+        plugin.around_available_bytes(lambda kvc, pre: 2 * 2**30, kvc, 0)
+    assert "exceeds the KV budget (2.00 GiB)" in str(e.value) and "--max-running-requests" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert plugin.around_available_bytes(lambda kvc, pre: 5 * 2**30, kvc, 0) == 2 * 2**30
+    with pytest.raises(ServeRefusal, match="SGLang sizes 35 KV layers, the OSCAR pool 36"):
+        plugin.around_cell_size(lambda *a: 0, "cfg", kvc, 35)
+    assert plugin.around_cell_size(lambda *a: 0, "cfg", kvc, 36) == 4321
+
+
 def oscar_args(tmp_path, **kw):
     base = dict(attention_backend="oscar", radix_cache_backend="oscar", disable_radix_cache=False,
                 max_running_requests=8, model_path=str(tmp_path / "no-model"), tp_size=1, load_format="auto",
@@ -204,3 +221,15 @@ def test_backend_runs_its_decode_plan_with_the_settings_decode_options(fake_base
                              server_args=SimpleNamespace(chunked_prefill_size=16, max_prefill_tokens=16))
     backend = plugin.create_backend(runner)
     assert backend.core.decode.options == options and backend.core.decode.options != DecodeOptions()
+    # what the backend refuses at run time, each in one line: a forward mode it does not implement, attention
+    # asked not to store the new K/V (or with extra arguments), CUDA graphs larger than the request table
+    mode = SimpleNamespace(name="TARGET_VERIFY", is_idle=lambda: False, is_decode_or_idle=lambda: False)
+    with pytest.raises(ServeRefusal, match="forward mode TARGET_VERIFY is not supported"):
+        backend.init_forward_metadata(SimpleNamespace(forward_mode=mode))
+    q = torch.zeros(1, SETUP.q_heads * d)
+    kv1 = torch.zeros(1, h * d)
+    for kw in (dict(save_kv_cache=False), dict(sinks=torch.zeros(1))):
+        with pytest.raises(ServeRefusal, match="OSCAR writes every new token's K/V itself"):
+            backend.forward_decode(q, kv1, kv1, attn[0], None, **kw)
+    with pytest.raises(ServeRefusal, match="exceed the request table"):
+        backend.init_cuda_graph_state(64, 64)
