@@ -3,7 +3,7 @@ texts the calibration never saw, at equal bits.
 
 Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model smollm2-135m] [--data2 FILE]
        [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024] [--group G]
-       [--layers SPEC] [--key-layouts]
+       [--layers SPEC] [--key-layouts] [--plot FILE.png]
        [--recipe recipes/smollm2-135m.yaml] [--commit SHA] [--results benchmarks/RESULTS.md]
 
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default=None, help="override the recipe's fitted layers (others stay BF16)")
     ap.add_argument("--key-layouts", action="store_true",
                     help="compare key layouts at equal bits (per-token rows, per-channel blocks, half-row groups)")
+    ap.add_argument("--plot", default=None, help="also draw perplexity against bits per element (PNG)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     headers = ["method", f"bits/element at {args.seq_len}", f"at {LONG}", *(f"ppl {n}" for n in segs)]
     table = markdown_table(headers, rows)
     print(table)
+    if args.plot:
+        plot_curve(rows, list(segs), args.plot, run.model_slug)
     alloc = {label: load_artifact(p).scheme for label, p in fits.items() if "allocated" in label}
     extra = "\n".join(f"- {label}: 4-bit keys in layers "
                       f"{[i for i, w in enumerate(s.bits_k) if w == 4]}, 4-bit values in "
@@ -175,6 +178,34 @@ def main(argv: list[str] | None = None) -> int:
         f"({args.sensitivity_tokens} calibration tokens) took {fit_s:.0f} s.",
         table, command=sys.argv if argv is None else ["benchmarks/bench_accuracy.py", *argv], extra=extra + "\n")
     return 0
+
+
+def plot_curve(rows: list[list[str]], texts: list[str], path: str, model: str) -> None:
+    """Perplexity x BF16 against bits per element (at 32k tokens): the allocated fits as a curve per text, every
+    other method as a point (the table's rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def ratio(cell: str) -> float:
+        return float(cell.split("(x")[1].rstrip(")"))
+
+    fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 4.5), squeeze=False)
+    for ax, (i, text) in zip(axes[0], enumerate(texts), strict=True):
+        curve = sorted((float(r[2]), ratio(r[3 + i])) for r in rows if "allocated" in r[0])
+        if curve:
+            ax.plot(*zip(*curve, strict=True), "o-", color="C0", label="oscar, allocated (fp8 scales)")
+        for k, r in enumerate(r for r in rows if "allocated" not in r[0] and r[0] != "bf16" and "only" not in r[0]):
+            ax.plot(float(r[2]), ratio(r[3 + i]), "s^vD<>p*hX"[k % 10], color=f"C{k % 9 + 1}", label=r[0])
+        ax.set_xlabel("bits per quantized element (scale/zero included, at 32k tokens)")
+        ax.set_ylabel("perplexity / BF16")
+        ax.set_title(f"{model}: {text}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def key_layouts(args, argv, store, run, base_cfg, model, d: int, segs: dict, tmp: Path) -> int:

@@ -38,7 +38,9 @@ def test_bench_accuracy_measures_every_row(tmp_path, tiny_run, tiny_gemma_dir):
     bench = load_benchmark("bench_accuracy")
     assert bench.main(["--store", str(store), "--model", str(tiny_gemma_dir), "--recipe", str(recipe), "--data2",
                        str(text), "--segments", "1", "--seq-len", "64", "--budgets", "2.75,3.0",
-                       "--sensitivity-tokens", "64", "--results", str(results)]) == 0
+                       "--sensitivity-tokens", "64", "--results", str(results), "--plot",
+                       str(tmp_path / "curve.png")]) == 0
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
     out = results.read_text()
     for row in ("| bf16 |", "| int2-hadamard |", "| int2-hadamard-gauss |", "| int4-hadamard |",
                 "| oscar, INT2, fp16 scales |", "centered keys", "fitted levels", "clips by logit-KL |",
