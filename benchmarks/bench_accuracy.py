@@ -117,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(fp8, bits_per_element=b, **kl_clips)
         path, manifest = run_fit(store, args.run, cfg, tmp, "", measured=measured)
         fits[f"oscar, allocated @{b:g}, fp8 scales, clips by logit-KL"] = path
-        measured = (Sensitivity.from_dict(manifest.metrics["sensitivity"]),
-                    manifest.metrics["allocation"]["layer_tokens"], manifest.metrics.get("clip_scale"))
+        if "allocation" in manifest.metrics:  # a budget at the uniform scheme's bits allocates nothing
+            measured = (Sensitivity.from_dict(manifest.metrics["sensitivity"]),
+                        manifest.metrics["allocation"]["layer_tokens"], manifest.metrics.get("clip_scale"))
     fit_s = time.time() - t0
 
     def score(prep) -> dict[str, float]:
