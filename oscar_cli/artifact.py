@@ -239,17 +239,23 @@ def write_artifact(root: Path, manifest: Manifest, tensors: dict[str, torch.Tens
         raise ArtifactError(f"cannot write the artifact under {model_dir} ({e.strerror or e}); nothing was written: "
                             "free space or pass another --artifacts folder, then fit again") from None
     try:
-        for _ in range(100):
-            dest = model_dir / f"v{_next_version(model_dir)}"
-            try:
-                os.rename(tmp, dest)  # atomic; fails if another writer took this version first
-                return dest
-            except OSError:
-                continue
-        raise ArtifactError(f"could not claim a version folder under {model_dir}")
+        return install_version(tmp, model_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def install_version(tmp: Path, model_dir: Path) -> Path:
+    """Rename the finished staging folder ``tmp`` to the next free ``<model_dir>/v<N>`` (atomic; a rename that
+    another writer beat to that version tries the next one); returns it."""
+    for _ in range(100):
+        dest = model_dir / f"v{_next_version(model_dir)}"
+        try:
+            os.rename(tmp, dest)
+            return dest
+        except OSError:
+            continue
+    raise ArtifactError(f"could not claim a version folder under {model_dir}")
 
 
 def _write_files(tmp: Path, manifest: Manifest, tensors: dict[str, torch.Tensor], recipe_text: str) -> None:

@@ -16,7 +16,10 @@ def staging_dir(parent: Path, prefix: str = ".tmp-") -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int | None) -> bool:
+    """Whether process ``pid`` runs on this host (signal 0; a process of another user counts as running)."""
+    if not pid:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -31,7 +34,7 @@ def sweep_stale(parent: Path, prefix: str = ".tmp-") -> list[Path]:
     gone = []
     for p in Path(parent).glob(f"{prefix}*"):
         pid = p.name[len(prefix):].split("-", 1)[0]
-        if p.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if p.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
             gone.append(p)
     return gone

@@ -25,7 +25,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .artifact import MANIFEST_FILE, RECIPE_FILE, TENSOR_FILE, ArtifactError, load_artifact
+from .artifact import MANIFEST_FILE, RECIPE_FILE, TENSOR_FILE, ArtifactError, install_version, load_artifact
 from .files import share_like_umask, staging_dir
 
 FILES = (TENSOR_FILE, MANIFEST_FILE, RECIPE_FILE)
@@ -178,18 +178,9 @@ def pull(src: str, artifacts_root: Path, store, *, expected_hash: str | None = N
         model_dir = artifacts_root / art.manifest.model_slug  # a plain name: the manifest was checked
         model_dir.mkdir(parents=True, exist_ok=True)
         share_like_umask(tmp)
-        for _ in range(100):
-            versions = [int(p.name[1:]) for p in model_dir.glob("v*") if p.name[1:].isdigit()]
-            dest = model_dir / f"v{max(versions, default=0) + 1}"
-            try:
-                os.rename(tmp, dest)
-                break
-            except OSError:
-                continue
-        else:
-            raise ArtifactError(f"could not claim a version folder under {model_dir}")
+        dest = install_version(tmp, model_dir)
         try:
-            store.register_artifact(dest, load_artifact(dest).manifest.to_dict())
+            store.register_artifact(dest, art.manifest.to_dict())  # the files verified above, renamed whole
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)  # not registered: not installed
             raise

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import OscarError
+from .files import pid_alive
 
 DB_FILE = "oscar.duckdb"
 SCHEMA = """
@@ -100,7 +101,7 @@ class Run:
     def live_status(self) -> str:
         """``status``, except that a run marked running whose process on this host is gone reads ``interrupted``
         (killed with SIGKILL or a power loss: nothing got to record it; ``oscar collect --resume`` continues it)."""
-        if self.status == "running" and self.owner_host == _host() and not _pid_alive(self.owner_pid):
+        if self.status == "running" and self.owner_host == _host() and not pid_alive(self.owner_pid):
             return "interrupted"
         return self.status
 
@@ -110,18 +111,6 @@ _RUN_COLS = [f for f in Run.__dataclass_fields__]
 
 def _host() -> str:
     return os.uname().nodename
-
-
-def _pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Store:
@@ -325,7 +314,7 @@ class Store:
     def claim_run(self, run: Run) -> None:
         """Take ownership of an unfinished run; refuse if a live process on this host owns it."""
         if run.status == "running" and run.owner_host == _host() and run.owner_pid != os.getpid() \
-                and _pid_alive(run.owner_pid):
+                and pid_alive(run.owner_pid):
             raise StoreError(
                 f"run {run.run_id} is being collected by process {run.owner_pid}; wait for it or stop it first"
             )

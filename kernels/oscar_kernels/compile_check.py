@@ -155,14 +155,18 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
         dec.run(0, *(torch.randn(2, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
         return dec
 
+    def extends(pool) -> None:
+        """An extend of two requests through the dequantised-prefix path (the default here), then the fused one."""
+        for deq in (None, 0):
+            ext = ExtendPlan(pool, 2, 64, 128, dequant_tokens=deq)
+            ext.plan(r2t, i(0, 1), i(0, 10), i(40, 24), torch.cat([r2t[0, :40], r2t[1, 10:34]]))
+            ext.run(0, *(torch.randn(64, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+
     for g in (d, 32) if d >= 64 else (d,):
         scheme = QuantScheme(group=g, sink=4, recent=8)
         rot = torch.linalg.qr(torch.randn(1, kv_heads, d, d))[0].contiguous()
         pool = Int2KVPool(scheme, 1, kv_heads, d, 256, 2, rot, rot.clone(), clip_k=0.9, clip_v=0.95)
-        for deq in (None, 0):  # the dequantised-prefix path (the default here), then the fused kernel
-            ext = ExtendPlan(pool, 2, 64, 128, dequant_tokens=deq)
-            ext.plan(r2t, i(0, 1), i(0, 10), i(40, 24), torch.cat([r2t[0, :40], r2t[1, 10:34]]))
-            ext.run(0, *(torch.randn(64, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        extends(pool)
 
         for row_kernel in (None, False):  # the default path for this group, and the general one (PTX unpacks at g = d)
             dec = step(DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel))
@@ -195,10 +199,7 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
         mult = torch.full((1, kv_heads), 2.0 ** -5)
         pool = Int2KVPool(fp8, 1, kv_heads, d, 256, 2, rot, rot.clone(), clip_k=0.9, clip_v=0.95, mult_k=mult,
                           mult_v=mult)
-        for deq in (None, 0):
-            ext = ExtendPlan(pool, 2, 64, 128, dequant_tokens=deq)
-            ext.plan(r2t, i(0, 1), i(0, 10), i(40, 24), torch.cat([r2t[0, :40], r2t[1, 10:34]]))
-            ext.run(0, *(torch.randn(64, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+        extends(pool)
         for row_kernel in (None, False):
             step(DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel))
         step(DecodePlan(pool, 2, 128, q_heads=hq, launch=DecodeLaunch(async_tiles=False)))
@@ -211,10 +212,7 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
         for widths, scheme_4, m4 in (([(4, 4)], scheme, None), ([(4, 2)], fp8, mult)):
             pool = Int2KVPool(scheme_4, 1, kv_heads, d, 256, 2, rot, rot.clone(), clip_k=0.9, clip_v=0.95,
                               mult_k=m4, mult_v=m4, widths=widths)
-            for deq in (None, 0):
-                ext = ExtendPlan(pool, 2, 64, 128, dequant_tokens=deq)
-                ext.plan(r2t, i(0, 1), i(0, 10), i(40, 24), torch.cat([r2t[0, :40], r2t[1, 10:34]]))
-                ext.run(0, *(torch.randn(64, h, d).bfloat16() for h in (hq, kv_heads, kv_heads)))
+            extends(pool)
             for row_kernel in (None, False):
                 step(DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel))
 

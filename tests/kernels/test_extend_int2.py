@@ -69,6 +69,17 @@ def test_extend_matches_ref(gqa, d, group, path):
     _check(case, out)
 
 
+def _check_against_the_reference(path, case):
+    """The path's output (fp32, poisoned first) against :func:`extend_int2_ref` on the real rows: the reference's
+    dequantisation of the same bytes, whatever the storage (Design P describes 2-bit fp16 rows only)."""
+    got = _extend(path, case, out=torch.full(case.q.shape, float("nan"), device=DEVICE), **BLOCKS)
+    real = real_rows(case)
+    ref = extend_int2_ref(case.q, case.k_new, case.v_new, case.cache, case.index)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[real].float(), ref[real], **TOL)
+    assert rel_err(got[real], ref[real]) <= MAX_REL
+
+
 @pytest.mark.parametrize("path", PATHS[:2])
 @pytest.mark.parametrize("d,group", [(64, 32), (128, "row")])
 def test_extend_fp8_metadata(path, d, group):
@@ -78,12 +89,7 @@ def test_extend_fp8_metadata(path, d, group):
     gen = torch.Generator().manual_seed(7 + d + g)
     case = extend_case(SEQS, SINK, RECENT, HKV, 4, d, g, gen, fp8=True)
     assert case.cache.fp8 and case.cache.k.scale.dtype == torch.float8_e4m3fn
-    got = _extend(path, case, out=torch.full(case.q.shape, float("nan"), device=DEVICE), **BLOCKS)
-    real = real_rows(case)
-    ref = extend_int2_ref(case.q, case.k_new, case.v_new, case.cache, case.index)
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got[real].float(), ref[real], **TOL)
-    assert rel_err(got[real], ref[real]) <= MAX_REL
+    _check_against_the_reference(path, case)
 
 
 @pytest.mark.parametrize("path", PATHS[:2])
@@ -94,12 +100,7 @@ def test_extend_four_bit_layers(path, d, group, bits):
     gen = torch.Generator().manual_seed(11 + d + g + sum(bits))
     case = extend_case(SEQS, SINK, RECENT, HKV, 4, d, g, gen, bits=bits)
     assert (case.cache.k.bits, case.cache.v.bits) == bits
-    got = _extend(path, case, out=torch.full(case.q.shape, float("nan"), device=DEVICE), **BLOCKS)
-    real = real_rows(case)
-    ref = extend_int2_ref(case.q, case.k_new, case.v_new, case.cache, case.index)
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got[real].float(), ref[real], **TOL)
-    assert rel_err(got[real], ref[real]) <= MAX_REL
+    _check_against_the_reference(path, case)
 
 
 @pytest.mark.parametrize("path", PATHS[:2])
