@@ -2,6 +2,12 @@
 
 Steps (each appends its table to ``benchmarks/RESULTS.md`` with date, device, commit and command):
 
+* ``ruler``: RULER and the needle grid (requests built by ``benchmarks/ruler_server.py prepare``) through one server
+  per configuration: the artifact (``oscar``), each ``--extra-artifact NAME=DIR`` (e.g. uniform INT2, Hadamard INT2)
+  and SGLang's own BF16 and FP8 caches (flashinfer). Greedy answers go to ``WORK/ruler-<config>.json`` with the bits
+  per element the server's pool stores; ``ruler_server.py score`` scores them with lm-eval on the CPU. While the
+  ``oscar`` server is up, ``tests/serve/test_sglang_server_live.py`` runs against it (prefix hits keep retrieval, a
+  request longer than the context), and its launch-refusal tests after it stops.
 * ``serve``: one server start per backend (oscar, then the triton BF16 control) for both of
 
   - greedy completions (96 tokens, EOS ignored) of several held-out prompts from SGLang with the OSCAR
@@ -35,9 +41,11 @@ import os
 import subprocess
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from oscar_cli.bench.server import Server, device_name
+from oscar_cli.bench.server import Server, device_name, kv_allocation, oscar_budget
 from oscar_cli.results_md import append_section
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,6 +279,92 @@ def step_serve(args, work: Path) -> str:
     return "\n".join(rows)
 
 
+RULER_BASELINES = (("bf16", "flashinfer", []), ("fp8", "flashinfer", ["--kv-cache-dtype", "fp8_e4m3"]))
+"""SGLang's own caches in the RULER table: (name, attention backend, extra flags)."""
+RULER_CLIENTS = 64
+LIVE_TESTS = REPO / "tests" / "serve" / "test_sglang_server_live.py"
+
+
+def pool_bits(log: str, model: Path) -> float | None:
+    """Bits per cached K/V element the server's pool stores: the plugin's budget line (bytes per token), else
+    SGLang's KV allocation line (bytes over tokens)."""
+    cfg = json.loads((model / "config.json").read_text())
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    elements = cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * d
+    if (b := oscar_budget(log)) is not None:
+        return b["cell_bytes"] * 8 / elements
+    if (a := kv_allocation(log)) is not None:
+        return (a["k_gib"] + a["v_gib"]) * 2**30 * 8 / (a["tokens"] * elements)
+    return None
+
+
+def live_tests(args, work: Path, url: str | None, select: str) -> dict:
+    """``tests/serve/test_sglang_server_live.py`` (``-k select``) against ``url``; rc and the summary line."""
+    env = {**os.environ, "OSCAR_LIVE_MODEL": str(args.model), "OSCAR_LIVE_ARTIFACT": str(args.artifact)}
+    if url:
+        env["OSCAR_LIVE_URL"] = url
+    log = work / f"server_live-{select.split()[0]}.log"
+    with open(log, "w") as f:
+        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(LIVE_TESTS),
+                             "-k", select], env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+    lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    return {"rc": rc, "summary": lines[-1] if lines else "", "lines": [x for x in lines if "needles" in x][-1:]}
+
+
+def step_ruler(args, work: Path) -> str:
+    """One server per configuration answers every RULER/grid request (greedy, EOS stops); each configuration's
+    answers are saved as soon as they exist, so a re-run finishes what a cut-short one left."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from ruler_server import load_requests
+
+    reqs = load_requests(args.ruler)["requests"]
+    configs = [("oscar", "oscar", args.artifact, [])]
+    configs += [(name, "oscar", Path(path), []) for name, path in (x.split("=", 1) for x in args.extra_artifact)]
+    configs += [(name, backend, None, extra) for name, backend, extra in RULER_BASELINES]
+    done = []
+    for i, (name, backend, art, extra) in enumerate(configs):
+        out = work / f"ruler-{name}.json"
+        if out.is_file():
+            done.append(json.loads(out.read_text()))
+            continue
+        srv = start(backend, args.model, args.port + i, work, art, extra)
+        errors: list[str] = []
+        try:
+            t0 = time.perf_counter()
+
+            def ask(r, srv=srv, errors=errors):
+                try:
+                    got = srv.post("/generate", {"input_ids": r["ids"], "sampling_params": {
+                        "temperature": 0, "max_new_tokens": r["max_new_tokens"]}}, timeout=900)
+                    return str(r["id"]), got["text"]
+                except Exception as e:  # noqa: BLE001 - counted and reported; the answer scores 0
+                    errors.append(f"{r['id']}: {e}"[:200])
+                    return str(r["id"]), ""
+
+            with ThreadPoolExecutor(RULER_CLIENTS) as pool:
+                answers = dict(pool.map(ask, reqs))
+            record = {"config": name, "backend": backend, "artifact": str(art) if art else None,
+                      "device": device_name(), "commit": args.commit, "start_s": srv.start_s,
+                      "answer_s": time.perf_counter() - t0, "bits_per_element": pool_bits(srv.log_text(), args.model),
+                      "errors": errors, "answers": answers}
+            if name == "oscar":
+                record["live"] = live_tests(args, work, srv.url, "retrieve or longer")
+        finally:
+            srv.stop()
+        if name == "oscar":
+            record["live_refusals"] = live_tests(args, work, None, "refused or edited")
+        out.write_text(json.dumps(record))
+        done.append(record)
+    rows = ["| configuration | server start s | answering s | failed requests | bits/element | live tests |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for r in done:
+        live = "; ".join(f"{x['summary']} {' '.join(x['lines'])}".strip() for x in (r.get("live"), r.get("live_refusals")) if x)
+        rows.append(f"| {r['config']} | {r['start_s'] or 0:.0f} | {r['answer_s']:.0f} | {len(r['errors'])} | "
+                    f"{r['bits_per_element'] or float('nan'):.3f} | {live or '-'} |")
+    return (f"{len(reqs)} RULER/needle-grid requests per configuration ({RULER_CLIENTS} clients; scores: "
+            "`benchmarks/ruler_server.py score`).\n\n" + "\n".join(rows))
+
+
 def append(title: str, body: str, args) -> None:
     text = append_section(RESULTS, f"SGLang plugin, {title}", device_name(), args.commit,
                           "SGLang 0.5.17 (`benchmarks/sglang_h200.sh`).", body,
@@ -280,7 +374,7 @@ def append(title: str, body: str, args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("step", choices=["serve", "engine"])
+    p.add_argument("step", choices=["serve", "ruler", "engine"])
     p.add_argument("--model", type=Path, required=True, help="converted model folder (with oscar_model.json)")
     p.add_argument("--artifact", type=Path, help="per-head artifact fitted for --model")
     p.add_argument("--store", type=Path, default=Path(".oscar"))
@@ -289,11 +383,17 @@ def main() -> None:
     p.add_argument("--commit", default=os.environ.get("OSCAR_COMMIT", "unknown"))
     p.add_argument("--prompts", type=Path)
     p.add_argument("--out", type=Path)
+    p.add_argument("--ruler", type=Path, help="requests of `ruler_server.py prepare` (step ruler)")
+    p.add_argument("--extra-artifact", action="append", default=[], metavar="NAME=DIR",
+                   help="another artifact served in the ruler step under NAME")
     args = p.parse_args()
     if args.step == "engine":
         run_engine(args)
         return
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.step == "ruler":
+        append("RULER and needle-grid answers, prefix-hit retrieval and refusals", step_ruler(args, args.work), args)
+        return
     append("greedy outputs vs OscarCache and a shared 2k-token prefix", step_serve(args, args.work), args)
 
 

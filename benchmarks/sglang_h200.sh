@@ -6,12 +6,18 @@
 # machine keeps /tmp while it is held (30 minutes at most):
 #
 #   CPU, once:   make demo                                  # converted SmolLM2 + per-head artifact (recipe fits --per-head)
-#                bash benchmarks/sglang_h200.sh prepare     # .whl/sgl (SGLang archive), .whl/h200/{gguf.00,gguf.01,artifact,commit}
+#                bash benchmarks/sglang_h200.sh prepare     # .whl/sgl (SGLang archive), .whl/h200/{gguf.00,gguf.01,artifact,
+#                                                           # artifact-uniform,artifact-hadamard,ruler.json.gz,commit}
 #   GPU call 1:  bash benchmarks/sglang_h200.sh gpu         carry: .whl/sgl
-#   GPU call 2:  bash benchmarks/sglang_h200.sh gpu         carry: .whl/h200/gguf.00
-#   GPU call 3:  bash benchmarks/sglang_h200.sh gpu         carry: .whl/h200/gguf.01 .whl/h200/artifact .whl/h200/commit
-#   (call 3 starts SGLang twice, ~1-2 min each once compile caches are warm, and runs the transformers engine
-#   twice: give it most of a 10-minute command)
+#   GPU call 2:  bash benchmarks/sglang_h200.sh gpu         carry: .whl/h200/gguf.00 .whl/h200/ruler.json.gz
+#   GPU call 3:  bash benchmarks/sglang_h200.sh gpu         carry: .whl/h200/gguf.01 .whl/h200/artifact
+#                                                                  .whl/h200/artifact-uniform .whl/h200/artifact-hadamard
+#                                                                  .whl/h200/commit
+#   (call 3 runs the steps in STEPS, default `serve`: it starts SGLang twice, ~1-2 min each once compile caches are
+#   warm, and runs the transformers engine twice; STEPS=ruler starts one server per RULER configuration (five) and
+#   runs tests/serve/test_sglang_server_live.py: give it most of a 10-minute command, and run call 3 again to finish
+#   what a call cut short left: each configuration's answers are kept in $STAGE/work as they come)
+#   CPU, after:  python benchmarks/ruler_server.py score --answers <the files that came back> --plot ...
 #
 # Each `gpu` call stages what it was given and runs the driver (step `serve`) once everything is there; the step
 # keeps each result in $STAGE/work/serve.json as it comes, so a call cut short by its limit is finished by the next. The driver
@@ -41,6 +47,22 @@ PY
 )
   [ -n "$art" ] || { echo "no per-head artifact under artifacts/smollm2-135m: run make demo" >&2; exit 1; }
   rm -rf .whl/h200/artifact && cp -r "$art" .whl/h200/artifact
+  # the RULER step's other artifacts (their own folder, so that the latest per-head artifact above stays the recipe's):
+  # uniform INT2 with fp16 scales at 2.5 bits, and data-free Hadamard INT2 without clip at the same bits
+  for kind in uniform hadamard; do
+    if [ ! -d .whl/h200/artifact-$kind ]; then
+      case $kind in
+        uniform) flags=(--per-head) ;;
+        hadamard) flags=(--method hadamard --no-clip) ;;
+      esac
+      rm -rf .whl/fits-$kind
+      .venv/bin/oscar fit --store .oscar --layers all "${flags[@]}" --bits 2 --group 0 --sink 16 --recent 64 \
+        --artifacts .whl/fits-$kind > /dev/null
+      cp -r "$(ls -d .whl/fits-$kind/*/v* | sort -V | tail -1)" .whl/h200/artifact-$kind
+    fi
+  done
+  [ -f .whl/h200/ruler.json.gz ] || .venv/bin/python benchmarks/ruler_server.py prepare --model smollm2-135m \
+    --out .whl/h200/ruler.json.gz
   .venv/bin/python -c 'from oscar_cli import code_version; print(code_version())' > .whl/h200/commit
   du -sh .whl/sgl .whl/h200/*
   exit 0
@@ -55,12 +77,20 @@ fi
 for part in 00 01; do
   if [ -f .whl/h200/gguf.$part ]; then cp .whl/h200/gguf.$part "$STAGE/gguf.$part"; fi
 done
-if [ -d .whl/h200/artifact ]; then rm -rf "$STAGE/artifact" && cp -r .whl/h200/artifact "$STAGE/artifact"; fi
+for a in artifact artifact-uniform artifact-hadamard; do
+  if [ -d .whl/h200/$a ]; then rm -rf "$STAGE/$a" && cp -r .whl/h200/$a "$STAGE/$a"; fi
+done
+if [ -f .whl/h200/ruler.json.gz ]; then cp .whl/h200/ruler.json.gz "$STAGE/ruler.json.gz"; fi
 if [ -f .whl/h200/commit ]; then cp .whl/h200/commit "$STAGE/commit"; fi
 missing=""
 [ -f /tmp/sglsite/.unpacked ] || missing="$missing .whl/sgl"
 for part in 00 01; do [ -f "$STAGE/gguf.$part" ] || missing="$missing .whl/h200/gguf.$part"; done
 [ -d "$STAGE/artifact" ] || missing="$missing .whl/h200/artifact"
+case " ${STEPS:-serve} " in
+  *" ruler "*) for need in artifact-uniform artifact-hadamard ruler.json.gz; do
+                 [ -e "$STAGE/$need" ] || missing="$missing .whl/h200/$need"
+               done ;;
+esac
 if [ -n "$missing" ]; then
   echo "staged in $STAGE; carry next:$missing"
   exit 0
@@ -94,7 +124,16 @@ if [ "${PREFLIGHT:-1}" != 0 ] && python3 -c 'import pytest' 2>/dev/null; then
     echo "test_sglang_live failed (see $STAGE/sglang_live.log); running the measurements anyway" >&2
   tail -n 3 "$STAGE/sglang_live.log"
 fi
-python3 benchmarks/sglang_h200.py serve --model "$MODEL" --artifact "$STAGE/artifact" --store "$STORE" \
-  --work "$STAGE/work"
+for step in ${STEPS:-serve}; do
+  case $step in
+    serve) python3 benchmarks/sglang_h200.py serve --model "$MODEL" --artifact "$STAGE/artifact" --store "$STORE" \
+             --work "$STAGE/work" ;;
+    ruler) python3 benchmarks/sglang_h200.py ruler --model "$MODEL" --artifact "$STAGE/artifact" --store "$STORE" \
+             --work "$STAGE/work" --ruler "$STAGE/ruler.json.gz" \
+             --extra-artifact "oscar-uniform=$STAGE/artifact-uniform" \
+             --extra-artifact "int2-hadamard=$STAGE/artifact-hadamard" ;;
+    *) echo "unknown step $step (serve, ruler)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "${OUT:-$STAGE/out}" && cp benchmarks/RESULTS.md "${OUT:-$STAGE/out}/RESULTS.md"
-cp "$STAGE"/work/*.log "$STAGE"/sglang_live.log "${OUT:-$STAGE/out}/" 2>/dev/null || true
+cp "$STAGE"/work/*.log "$STAGE"/work/ruler-*.json "$STAGE"/sglang_live.log "${OUT:-$STAGE/out}/" 2>/dev/null || true
