@@ -53,7 +53,7 @@ PY
     if [ ! -d .whl/h200/artifact-$kind ]; then
       case $kind in
         uniform) flags=(--per-head) ;;
-        hadamard) flags=(--method hadamard --no-clip) ;;
+        hadamard) flags=(--method hadamard --no-clip --per-head) ;;
       esac
       rm -rf .whl/fits-$kind
       .venv/bin/oscar fit --store .oscar --layers all "${flags[@]}" --bits 2 --group 0 --sink 16 --recent 64 \
