@@ -121,7 +121,7 @@ def prepare(args) -> None:
     reqs = []
     for i, (context, gen, doc, task) in enumerate(lm.asked):
         ids = tok(context, add_special_tokens=bos)["input_ids"]
-        small = {k: doc[k] for k in ("max_length", "depth", "answer") if k in doc}
+        small = {k: doc[k] for k in ("max_length", "depth", "answer", "outputs") if k in doc}
         reqs.append({"id": i, "key": key(context), "task": task, "ids": ids,
                      "max_new_tokens": int(gen.get("max_gen_toks", 128)), "doc": small})
     out = {"model": args.model, "samples": args.samples, "lengths": lengths, "grid_samples": args.grid_samples,
