@@ -139,9 +139,11 @@ def answer_tolerance() -> float:
     windows, ``kernels/oscar_kernels/extend.py``), so they differ only by bf16 rounding in another order. The scale to
     compare with is what INT2 itself does to a token: by Pinsker, the probability of a token moves by at most
     ``sqrt(2 KL)`` where ``KL`` is the per-token KL of the INT2 cache against exact attention, which the artifact
-    measured at fit time (the summed sensitivity of its units at their allocated widths). A quarter of that is far
-    above rounding noise and far below a misread prefix (another request's pages, a lost sink or recent row change
-    the answer, not its last digits of probability). Artifacts fitted without the sensitivity pass use 0.05."""
+    measured at fit time (the summed sensitivity of its units at their allocated widths). Half of that: rounding in
+    another order moved answer tokens by up to 0.033 on an H100 (the recipe's artifact, bound 0.079; a quarter,
+    0.039, left too thin a margin), while a misread prefix (another request's pages, a lost sink or recent row)
+    changes the answer itself, which the retrieval checks catch. Artifacts fitted without the sensitivity pass
+    use 0.05."""
     from oscar_cli.artifact import load_artifact
     from oscar_cli.sensitivity import Sensitivity
 
@@ -154,7 +156,7 @@ def answer_tolerance() -> float:
     layers = sorted({i for i, _ in sens.kl})
     kl = sum(sens.predicted_kl(i, "k", s.bits_k[i] if s.bits_k else s.bits)
              + sens.predicted_kl(i, "v", s.bits_v[i] if s.bits_v else s.bits) for i in layers)
-    return math.sqrt(2 * kl) / 4
+    return math.sqrt(2 * kl) / 2
 
 
 def answer(out: dict) -> tuple[str, list[int], list[float]]:
@@ -210,7 +212,7 @@ def test_prefix_hits_retrieve_what_cold_requests_retrieve(server, tok):
             worst = max(worst, abs(c_p[i] - h_p[i]))
             if abs(c_p[i] - h_p[i]) > tol:
                 problems.append(f"{name}/{k} token {i}: p {h_p[i]:.4f} on the hit vs {c_p[i]:.4f} cold (> {tol:.4f})")
-    print(f"needles retrieved cold {retrieved_cold}/{len(asks)}; worst |p_hit - p_cold| {worst:.4f} "
+    print(f"needles retrieved cold {retrieved_cold}/{len(asks)}; worst abs(p_hit - p_cold) {worst:.4f} "
           f"(tolerance {tol:.4f})")
     assert retrieved_cold >= 3, f"only {retrieved_cold} needles retrieved cold: the check would prove nothing"
     assert not problems, "; ".join(problems)
