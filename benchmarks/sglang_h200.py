@@ -352,7 +352,7 @@ def step_ruler(args, work: Path) -> str:
         finally:
             srv.stop()
         if name == "oscar":
-            record["live_refusals"] = live_tests(args, work, None, "refused or edited")
+            record["live_refusals"] = live_tests(args, work, None, "stops_the_launch")
         out.write_text(json.dumps(record))
         done.append(record)
     rows = ["| configuration | server start s | answering s | failed requests | bits/element | live tests |",
