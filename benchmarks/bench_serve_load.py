@@ -1,8 +1,12 @@
 """The embedded server under load: concurrent clients mixing streaming and non-streaming completions, streams dropped
 mid-way, malformed and oversized bodies, health checks.
 
-Usage: python benchmarks/bench_serve_load.py [--model smollm2-135m] [--artifact latest] [--store .oscar]
+Usage: python benchmarks/bench_serve_load.py [--model smollm2-135m | --tiny] [--artifact latest] [--store .oscar]
        [--clients 32] [--requests 500] [--max-tokens 4] [--commit SHA] [--results benchmarks/RESULTS.md]
+
+``--tiny`` serves a 2-layer random-weight Llama with the embedded model's tokenizer instead: the server's own work
+(parsing, validation, tokenization, queueing, streaming, disconnects, the engine loop) at the full request count,
+with the model's cost taken out (on two CPU cores SmolLM2 answers ~3 requests/s, so 32 x 500 would take ~1.5 h).
 
 Starts ``oscar serve``'s app (transformers engine, the draining server) on a free loopback port in this process,
 runs ``--clients`` threads of ``--requests`` requests each, and prints one table: per request kind the count, the
@@ -144,9 +148,32 @@ def table(res: LoadResult) -> str:
     return markdown_table(["kind", "requests", "status: count", "p50 ms", "p99 ms"], rows)
 
 
+def tiny_model(store: Path) -> Path:
+    """A 2-layer random-weight Llama (GQA 4:2, head dim 16, seed 0) with the embedded model's tokenizer, saved under
+    ``store/models/tiny-load-llama`` (built once)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from oscar_cli.models import DEFAULT_MODEL, quiet_transformers, resolve
+
+    out = store / "models" / "tiny-load-llama"
+    if (out / "config.json").is_file():
+        return out
+    quiet_transformers()
+    tok = AutoTokenizer.from_pretrained(str(resolve(DEFAULT_MODEL, store)[2]))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tiny", action="store_true", help="serve a 2-layer random-weight Llama (the embedded tokenizer)")
     ap.add_argument("--artifact", default=None, help="artifact to serve (default: BF16)")
     ap.add_argument("--store", default=".oscar")
     ap.add_argument("--clients", type=int, default=32)
@@ -167,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_cli.store import Store
 
     store = Path(args.store)
+    if args.tiny:
+        args.model = str(tiny_model(store))
     artifact = None
     if args.artifact:
         from oscar_cli.models import resolve
@@ -207,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         print("failure:", f, file=sys.stderr)
     device = f"CPU ({torch.get_num_threads()} threads)" if not torch.cuda.is_available() else torch.cuda.get_device_name()
     append_section(args.results, "Embedded server under load", device, args.commit or "unknown",
-                   f"Model {args.model}" + (f", artifact {artifact}" if artifact else " in BF16") +
+                   (f"Model {args.model}" if not args.tiny else "A 2-layer random-weight Llama (`--tiny`: the "
+                    "server's work at full count, the model's cost taken out)") +
+                   (f", artifact {artifact}" if artifact else " in BF16") +
                    f"; {args.max_tokens} tokens per generation, queue {args.max_queue}, body limit "
                    f"{args.max_body_bytes} bytes; kinds {dict(zip(KINDS, WEIGHTS, strict=True))} (weights); 429 is the "
                    "queue's documented answer when full. " + summary + ".", tab,
