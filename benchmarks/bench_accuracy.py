@@ -3,7 +3,8 @@ texts the calibration never saw, at equal bits.
 
 Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model smollm2-135m] [--data2 FILE]
        [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024] [--group G]
-       [--layers SPEC] [--widths 2,4 [--widths 2,3,4 ...]] [--allocated-only] [--key-layouts] [--plot FILE.png]
+       [--layers SPEC] [--widths 2,4 [--widths 2,3,4 ...]] [--clip-criterion logit-kl|layer-local]
+       [--allocated-only] [--key-layouts] [--plot FILE.png]
        [--recipe recipes/smollm2-135m.yaml] [--commit SHA] [--results benchmarks/RESULTS.md]
 
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
@@ -20,8 +21,10 @@ it to RESULTS.md with date, device, commit and command.
 
 ``--widths`` (repeatable): the code widths the allocation chooses among (default the recipe's ``widths``); each set
 gives its own allocated fit at every budget, so ``--widths 2,4 --widths 2,3,4`` compares 4-bit upgrades alone with
-3-bit ones as well (one sensitivity pass measures the widest set and serves the others). ``--allocated-only`` scores
-BF16 and the allocated fits alone (no ablations, data-free baselines or keys/values-only rows).
+3-bit ones as well (one sensitivity pass measures the widest set and serves the others). ``--clip-criterion
+layer-local``: the allocated fits keep each layer's own clips instead of the logit-KL scaled ones.
+``--allocated-only`` scores BF16 and the allocated fits alone (no ablations, data-free baselines or keys/values-only
+rows).
 
 ``--key-layouts`` instead compares key layouts at equal bits, keys alone quantized (values exact): OSCAR's per-token
 key groups after rotation (one group per head row, fp16 scale/zero), per-token groups of half a row with fp8
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", action="append", default=None,
                     help="code widths the allocation chooses among, e.g. 2,3,4 (repeat to compare sets; default: "
                          "the recipe's)")
+    ap.add_argument("--clip-criterion", default="logit-kl", choices=("logit-kl", "layer-local"),
+                    help="the allocated fits' clips: scaled by the least final-logit KL (default) or each layer's own")
     ap.add_argument("--allocated-only", action="store_true",
                     help="score BF16 and the allocated fits only (no ablations or baselines)")
     ap.add_argument("--key-layouts", action="store_true",
@@ -125,12 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             store, args.run, dataclasses.replace(fp16, **kl_clips), tmp, "")[0]
         fits["oscar, INT2, fp8 scales"] = run_fit(store, args.run, fp8, tmp, "")[0]
     measured = None  # one sensitivity pass (the widest width set's), reused by every budget and set
+    clips = kl_clips if args.clip_criterion == "logit-kl" else dict(sensitivity_tokens=args.sensitivity_tokens)
     for ws in width_sets:
         for b in budgets:
-            cfg = dataclasses.replace(fp8, bits_per_element=b, widths=ws, **kl_clips)
+            cfg = dataclasses.replace(fp8, bits_per_element=b, widths=ws, **clips)
             path, manifest = run_fit(store, args.run, cfg, tmp, "", measured=measured)
             named = "" if ws == (2, 4) else f", widths {'/'.join(map(str, ws))}"
-            fits[f"oscar, allocated @{b:g}{named}, fp8 scales, clips by logit-KL"] = path
+            how = ", clips by logit-KL" if args.clip_criterion == "logit-kl" else ", each layer's clips"
+            fits[f"oscar, allocated @{b:g}{named}, fp8 scales{how}"] = path
             if measured is None and "allocation" in manifest.metrics:  # at the uniform bits nothing is allocated
                 measured = (Sensitivity.from_dict(manifest.metrics["sensitivity"]),
                             manifest.metrics["allocation"]["layer_tokens"], manifest.metrics.get("clip_scale"))
