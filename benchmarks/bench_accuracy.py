@@ -3,8 +3,7 @@ texts the calibration never saw, at equal bits.
 
 Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model smollm2-135m] [--data2 FILE]
        [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024] [--group G]
-       [--layers SPEC] [--widths 2,4 [--widths 2,3,4 ...]] [--clip-criterion logit-kl|layer-local]
-       [--allocated-only] [--key-layouts] [--plot FILE.png]
+       [--layers SPEC] [--key-layouts] [--plot FILE.png]
        [--recipe recipes/smollm2-135m.yaml] [--commit SHA] [--results benchmarks/RESULTS.md]
 
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
@@ -18,13 +17,6 @@ only its keys or only its values quantized (where the gap lives). Bits per eleme
 scale/zero, K and V averaged over the rows each layer holds: at the evaluated length and at 32k, where a sliding-
 window layer holds only its window; sinks and recent rows are BF16 in every row alike). Prints one table and appends
 it to RESULTS.md with date, device, commit and command.
-
-``--widths`` (repeatable): the code widths the allocation chooses among (default the recipe's ``widths``); each set
-gives its own allocated fit at every budget, so ``--widths 2,4 --widths 2,3,4`` compares 4-bit upgrades alone with
-3-bit ones as well (one sensitivity pass measures the widest set and serves the others). ``--clip-criterion
-layer-local``: the allocated fits keep each layer's own clips instead of the logit-KL scaled ones.
-``--allocated-only`` scores BF16 and the allocated fits alone (no ablations, data-free baselines or keys/values-only
-rows).
 
 ``--key-layouts`` instead compares key layouts at equal bits, keys alone quantized (values exact): OSCAR's per-token
 key groups after rotation (one group per head row, fp16 scale/zero), per-token groups of half a row with fp8
@@ -64,13 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sensitivity-tokens", type=int, default=1024)
     ap.add_argument("--group", type=int, default=None, help="override the recipe's scheme group (0: the head dim)")
     ap.add_argument("--layers", default=None, help="override the recipe's fitted layers (others stay BF16)")
-    ap.add_argument("--widths", action="append", default=None,
-                    help="code widths the allocation chooses among, e.g. 2,3,4 (repeat to compare sets; default: "
-                         "the recipe's)")
-    ap.add_argument("--clip-criterion", default="logit-kl", choices=("logit-kl", "layer-local"),
-                    help="the allocated fits' clips: scaled by the least final-logit KL (default) or each layer's own")
-    ap.add_argument("--allocated-only", action="store_true",
-                    help="score BF16 and the allocated fits only (no ablations or baselines)")
     ap.add_argument("--key-layouts", action="store_true",
                     help="compare key layouts at equal bits (per-token rows, per-channel blocks, half-row groups)")
     ap.add_argument("--plot", default=None, help="also draw perplexity against bits per element (PNG)")
@@ -113,34 +98,28 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="oscar-bench-accuracy-"))
     if args.key_layouts:
         return key_layouts(args, argv, store, run, base_cfg, model, d, segs, tmp)
-    width_sets = [tuple(int(w) for w in ws.split(",") if w.strip()) for ws in args.widths or []] or [base_cfg.widths]
-    width_sets.sort(key=len, reverse=True)  # the widest set first: its sensitivity pass serves the others
     fits: dict[str, Path] = {}
     t0 = time.time()
     fp16 = dataclasses.replace(base_cfg.without_model_pass(),
                                scheme=dataclasses.replace(base_cfg.scheme, scale_dtype="fp16"))
+    fits["oscar, INT2, fp16 scales"] = run_fit(store, args.run, fp16, tmp, "")[0]
+    for label, change in (("centered keys", dict(center_keys=True)), ("fitted levels", dict(levels="fitted"))):
+        cfg = dataclasses.replace(fp16, scheme=dataclasses.replace(fp16.scheme, **change))
+        fits[f"oscar, INT2, fp16 scales, {label}"] = run_fit(store, args.run, cfg, tmp, "")[0]
     kl_clips = dict(clip_criterion="logit-kl", sensitivity_tokens=args.sensitivity_tokens)
-    fp8 = dataclasses.replace(fp16, scheme=dataclasses.replace(base_cfg.scheme, scale_dtype="fp8"))
-    if not args.allocated_only:
-        fits["oscar, INT2, fp16 scales"] = run_fit(store, args.run, fp16, tmp, "")[0]
-        for label, change in (("centered keys", dict(center_keys=True)), ("fitted levels", dict(levels="fitted"))):
-            cfg = dataclasses.replace(fp16, scheme=dataclasses.replace(fp16.scheme, **change))
-            fits[f"oscar, INT2, fp16 scales, {label}"] = run_fit(store, args.run, cfg, tmp, "")[0]
-        fits["oscar, INT2, fp16 scales, clips by logit-KL"] = run_fit(
-            store, args.run, dataclasses.replace(fp16, **kl_clips), tmp, "")[0]
-        fits["oscar, INT2, fp8 scales"] = run_fit(store, args.run, fp8, tmp, "")[0]
-    measured = None  # one sensitivity pass (the widest width set's), reused by every budget and set
-    clips = kl_clips if args.clip_criterion == "logit-kl" else dict(sensitivity_tokens=args.sensitivity_tokens)
-    for ws in width_sets:
-        for b in budgets:
-            cfg = dataclasses.replace(fp8, bits_per_element=b, widths=ws, **clips)
-            path, manifest = run_fit(store, args.run, cfg, tmp, "", measured=measured)
-            named = "" if ws == (2, 4) else f", widths {'/'.join(map(str, ws))}"
-            how = ", clips by logit-KL" if args.clip_criterion == "logit-kl" else ", each layer's clips"
-            fits[f"oscar, allocated @{b:g}{named}, fp8 scales{how}"] = path
-            if measured is None and "allocation" in manifest.metrics:  # at the uniform bits nothing is allocated
-                measured = (Sensitivity.from_dict(manifest.metrics["sensitivity"]),
-                            manifest.metrics["allocation"]["layer_tokens"], manifest.metrics.get("clip_scale"))
+    fits["oscar, INT2, fp16 scales, clips by logit-KL"] = run_fit(
+        store, args.run, dataclasses.replace(fp16, **kl_clips), tmp, "")[0]
+    fp8_scheme = dataclasses.replace(base_cfg.scheme, scale_dtype="fp8")
+    fp8 = dataclasses.replace(fp16, scheme=fp8_scheme)
+    fits["oscar, INT2, fp8 scales"] = run_fit(store, args.run, fp8, tmp, "")[0]
+    measured = None  # one sensitivity pass, reused by every budget
+    for b in budgets:
+        cfg = dataclasses.replace(fp8, bits_per_element=b, **kl_clips)
+        path, manifest = run_fit(store, args.run, cfg, tmp, "", measured=measured)
+        fits[f"oscar, allocated @{b:g}, fp8 scales, clips by logit-KL"] = path
+        if "allocation" in manifest.metrics:  # a budget at the uniform scheme's bits allocates nothing
+            measured = (Sensitivity.from_dict(manifest.metrics["sensitivity"]),
+                        manifest.metrics["allocation"]["layer_tokens"], manifest.metrics.get("clip_scale"))
     fit_s = time.time() - t0
 
     def score(prep) -> dict[str, float]:
@@ -161,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 
     m = get_method("bf16")
     add("bf16", None, None, score(prepare(model, m, scheme_for(m, d))))
-    art0 = load_artifact(next(iter(fits.values())))
+    art0 = load_artifact(fits["oscar, INT2, fp16 scales"])
     sink_recent = {"sink": art0.scheme.sink, "recent": art0.scheme.recent}
-    for name in () if args.allocated_only else ("int2-hadamard", "int2-hadamard-gauss", "int2-kivi", "int4-hadamard"):
+    for name in ("int2-hadamard", "int2-hadamard-gauss", "int2-kivi", "int4-hadamard"):
         m = get_method(name)
         s = scheme_for(m, d, overrides=sink_recent)
         add(f"{name} (its own sink/recent)" if m.own_sink_recent else name, s, None, score(prepare(model, m, s)))
@@ -174,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     # where the gap lives: the fp16 fit with only one kind quantized
     quants = build_layer_quants(oscar, art0.scheme, model.config.num_hidden_layers, d,
                                 model.config.num_key_value_heads, art0)
-    for label, kw in () if args.allocated_only else (("oscar fp16, keys only (values exact)", dict(bits_v=EXACT)),
-                                                      ("oscar fp16, values only (keys exact)", dict(bits_k=EXACT))):
+    for label, kw in (("oscar fp16, keys only (values exact)", dict(bits_v=EXACT)),
+                      ("oscar fp16, values only (keys exact)", dict(bits_k=EXACT))):
         qs = [None if q is None else dataclasses.replace(q, **kw) for q in quants]
         attention.install(model, qs, art0.scheme)
         add(label, art0.scheme, art0.layers, score(Prepared(oscar, art0.scheme, qs, art0.name)))
@@ -186,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot_curve(rows, list(segs), args.plot, run.model_slug)
     alloc = {label: load_artifact(p).scheme for label, p in fits.items() if "allocated" in label}
-    extra = "\n".join(f"- {label}: {allocation_text(s)}" for label, s in alloc.items())
+    extra = "\n".join(f"- {label}: 4-bit keys in layers "
+                      f"{[i for i, w in enumerate(s.bits_k) if w == 4]}, 4-bit values in "
+                      f"{[i for i, w in enumerate(s.bits_v) if w == 4]}" for label, s in alloc.items())
     fp32 = "fp32, " if next(model.parameters()).dtype == torch.float32 else ""
     device = f"CPU ({fp32}{torch.get_num_threads()} threads)"
     append_section(
@@ -198,13 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         f"({args.sensitivity_tokens} calibration tokens) took {fit_s:.0f} s.",
         table, command=sys.argv if argv is None else ["benchmarks/bench_accuracy.py", *argv], extra=extra + "\n")
     return 0
-
-
-def allocation_text(scheme) -> str:
-    """Which layers' keys and values an allocated scheme gives each width above its base."""
-    wider = sorted({*scheme.bits_k, *scheme.bits_v} - {scheme.bits}) or [4]
-    return "; ".join(f"{w}-bit keys in layers {[i for i, x in enumerate(scheme.bits_k) if x == w]}, {w}-bit values "
-                     f"in {[i for i, x in enumerate(scheme.bits_v) if x == w]}" for w in wider)
 
 
 def plot_curve(rows: list[list[str]], texts: list[str], path: str, model: str) -> None:

@@ -84,10 +84,6 @@ class CollectConfig:
         return -(-self.tokens // self.seq_len)
 
 
-FIT_WIDTHS = (2, 3, 4)
-"""Code widths a fit's allocation may choose (``FitConfig.widths``); the kernels store 2 and 4."""
-
-
 def _default_clip_grid() -> tuple[float, ...]:
     return tuple(round(0.50 + 0.025 * i, 3) for i in range(21))
 
@@ -97,9 +93,8 @@ class FitConfig:
     """How rotations and clip ratios are fitted from a collected run, and the scheme they are fitted for.
     ``method``: the rotation recipe, a :data:`oscar_cli.methods.ROTATIONS` name (``oscar fit --method``).
     ``bits_per_element``: the budget (storage bits per quantized element, scale/zero included, averaged over K and V
-    of the fitted layers) that :func:`oscar_cli.sensitivity.allocate` spends on wider codes; None: the scheme's
-    width everywhere. ``widths``: the code widths the allocation chooses among for each layer's K and V (the scheme's
-    ``bits`` among them; 3 runs in the reference path only, not in the kernels). ``sensitivity_tokens``: calibration tokens the sensitivity pass scores through the model
+    of the fitted layers) that :func:`oscar_cli.sensitivity.allocate` spends on 4-bit layers; None: the scheme's
+    width everywhere. ``sensitivity_tokens``: calibration tokens the sensitivity pass scores through the model
     (:mod:`oscar_cli.sensitivity`; 0: none, allowed only without a budget above the base width); ``model``: the model
     to load for it (default: the run's, from the store's converted models or the embedded ones); ``context``: the
     sequence length at which the budget is met in bytes (a sliding-window layer holds at most its window of it).
@@ -120,15 +115,8 @@ class FitConfig:
     context: int = 32768
     clip_criterion: str = "layer-local"
     clip_scale_grid: tuple[float, ...] = (0.9, 1.0, 1.1, 1.2, 1.35, 1.5, 2.0)
-    widths: tuple[int, ...] = (2, 4)
 
     def __post_init__(self) -> None:
-        if (not self.widths or any(w not in FIT_WIDTHS or isinstance(w, bool) for w in self.widths)
-                or list(self.widths) != sorted(set(self.widths))):
-            raise ConfigError(f"widths must be increasing code widths among {', '.join(map(str, FIT_WIDTHS))}, got "
-                              f"{list(self.widths)}")
-        if self.scheme.bits not in self.widths:
-            raise ConfigError(f"widths {list(self.widths)} must include the scheme's {self.scheme.bits} bits")
         if self.bits_per_element is not None and not 1 < self.bits_per_element <= 16:
             raise ConfigError(f"bits_per_element must lie in (1, 16] bits per quantized element, got "
                               f"{self.bits_per_element}")
@@ -387,8 +375,6 @@ def _build(cls, section: dict[str, Any], where: str):
             for name in ("clip_grid", "clip_scale_grid"):
                 if name in kwargs:
                     kwargs[name] = tuple(float(c) for c in kwargs[name])
-            if "widths" in kwargs:
-                kwargs["widths"] = _tuple(kwargs["widths"], f"{where}.widths", int)
         return cls(**kwargs)
     except SchemeError as e:
         raise ConfigError(f"{where}: {e}") from None

@@ -340,7 +340,7 @@ def stack_fits(layers: list[int], fits: list[LayerFit], scheme, group: int) -> d
     if scheme.center_keys:
         out["center_k"] = torch.stack([f.center_k for f in fits]).float()
     if scheme.levels == "fitted":
-        # the INT2 units' 4 levels per KV head (an allocation's wider units keep uniform levels)
+        # the INT2 units' 4 levels per KV head (an allocation's 4-bit units keep uniform levels)
         for j, kind in enumerate(("k", "v")):
             out[f"levels_{kind}"] = torch.stack([f.tables[2][j] for f in fits]).float()
     if scheme.scale_dtype == "fp8":

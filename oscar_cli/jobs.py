@@ -58,20 +58,11 @@ def check_fit(store: Store, run_ref: str, cfg: FitConfig, model_slug: str | None
 
 
 def _widths(cfg: FitConfig, head_dim: int) -> tuple[int, ...]:
-    """Widths beyond the scheme's that the allocation chooses among: those of ``cfg.widths`` above the scheme's
-    bits, when the budget exceeds the uniform cost."""
+    """Widths beyond the scheme's that the budget can pay for (4-bit when it exceeds the uniform cost)."""
     q = cfg.scheme
-    if cfg.bits_per_element is None or cfg.bits_per_element <= q.bits_per_element(head_dim) + 1e-9:
+    if cfg.bits_per_element is None or q.bits == 4:
         return ()
-    return tuple(w for w in cfg.widths if w > q.bits)
-
-
-def _unrecorded_widths(widths: tuple[int, ...]) -> list[int]:
-    """The widths of ``widths`` that an artifact's scheme cannot record (``oscar_kernels.scheme.WIDTHS``, read when
-    called)."""
-    from oscar_kernels import scheme as kernel_scheme
-
-    return [w for w in widths if w not in kernel_scheme.WIDTHS]
+    return (4,) if cfg.bits_per_element > q.bits_per_element(head_dim) + 1e-9 else ()
 
 
 def check_budget(cfg: FitConfig, head_dim: int) -> None:
@@ -83,18 +74,9 @@ def check_budget(cfg: FitConfig, head_dim: int) -> None:
         raise art.ArtifactError(f"--bits-per-element {cfg.bits_per_element:g} is below the scheme's uniform "
                                 f"{cfg.scheme.bits}-bit cost of {least:g} at head dim {head_dim}; raise it, or store "
                                 "the scales in fp8 (scheme scale_dtype: fp8)")
-    widths = _widths(cfg, head_dim)
-    if widths and cfg.sensitivity_tokens <= 0:
+    if _widths(cfg, head_dim) and cfg.sensitivity_tokens <= 0:
         raise art.ArtifactError("an allocation above the uniform width needs the sensitivity pass; pass "
                                 "--sensitivity-tokens N (e.g. 1024)")
-    if bad := _unrecorded_widths(widths):
-        from oscar_kernels import scheme as kernel_scheme
-
-        kept = [w for w in cfg.widths if w not in bad]
-        raise art.ArtifactError(f"--widths {','.join(map(str, cfg.widths))}: an artifact's scheme records "
-                                f"{' and '.join(map(str, kernel_scheme.WIDTHS))}-bit layers (oscar_kernels.scheme."
-                                f"WIDTHS), not {' or '.join(map(str, bad))}-bit ones; fit with --widths "
-                                f"{','.join(map(str, kept))}")
 
 
 def fit_model_spec(store: Store, run: Run, cfg: FitConfig) -> str:
@@ -248,7 +230,6 @@ def run_fit(
         if scale is not None:
             metrics["clip_scale"] = scale
         if widths:
-            sens = sens.restricted((cfg.scheme.bits, *widths))  # a reused pass may have measured more widths
             scheme, _ = allocate_scheme(sens, scheme, shape.head_dim, shape.n_layers, cfg.bits_per_element, tokens)
             metrics["allocation"] = {"budget": cfg.bits_per_element, "context": cfg.context, "layer_tokens": tokens,
                                      "bits_per_element": scheme.bits_per_element(shape.head_dim, layers, tokens),

@@ -28,8 +28,8 @@ quantized)."""
 
 @dataclass(frozen=True)
 class LayerQuant:
-    """How one layer's K/V rows are stored and read. ``bits_k``/``bits_v``: the key and value code widths (2, 3 or 4;
-    3 in the reference path only, the kernels store 2 and 4; :data:`EXACT` keeps that kind exact); ``r_k``/``r_v``: fp32 ``[h, d, d]`` (h = 1 or kv heads) or None
+    """How one layer's K/V rows are stored and read. ``bits_k``/``bits_v``: the key and value code widths (2 or 4;
+    :data:`EXACT` keeps that kind exact); ``r_k``/``r_v``: fp32 ``[h, d, d]`` (h = 1 or kv heads) or None
     for no rotation; ``clip_k``/``clip_v``: fp32 ``[h]``; ``meta``: the scale/zero storage (``fp16`` | ``fp8``) with
     ``mult_k``/``mult_v`` fp32 ``[h]`` the fitted FP8 multipliers (None: taken from the rows each write);
     ``center_k``: fp32 ``[H, d]`` the key center subtracted before quantizing and added back after (the same as

@@ -1,4 +1,4 @@
-"""Reference INT2/INT3/INT4 row quantizer (pure torch): clip, quantize, pack.
+"""Reference INT2/INT4 row quantizer (pure torch): clip, quantize, pack.
 
 The storage format is defined once, in ``oscar_kernels.layout`` (``pack``/``unpack``, ``SCALE_EPS``, imported here);
 this module quantizes rows into it in plain torch, the definition the kernels' references are tested against.
@@ -15,12 +15,8 @@ Format, for one row ``x`` of ``d`` elements (already rotated):
   ``B = g // P`` bytes; byte ``b`` holds elements ``b, b + B, ..., b + (P-1) B`` at bit shifts ``0, bits, ...``.
   Unpacking byte vector ``y`` therefore yields whole contiguous blocks (``(y >> bits*k) & L`` is elements
   ``kB .. (k+1)B - 1``), so a kernel can dot a query block against it with no reshuffle.
-* 3-bit codes (an allocation's width 3: the reference path only, the kernels store 2- and 4-bit codes) are two
-  planes in one row: the low two bits of every code in the 2-bit planar layout (``d/4`` bytes), then the high bit
-  in a 1-bit planar layout (``d/8`` bytes: byte ``b`` of a group holds bit 2 of elements ``b, b + B, ..., b + 7B``
-  at shifts ``0..7``, ``B = g/8``), ``3d/8`` bytes in all (:func:`pack_codes`); ``group`` a multiple of 8.
 
-Bits per element for a quantized row: ``bits + 2 * 16 / group`` (fp16 scale and zero per group), at every width.
+Bits per element for a quantized row: ``bits + 2 * 16 / group`` (fp16 scale and zero per group).
 
 FP8 metadata (``meta="fp8"``): scale and zero are stored as float8 e4m3 of ``scale / m`` and ``zero / m`` with a
 power-of-two multiplier ``m`` (per KV head: fitted from calibration rows and held by the artifact, or taken from the
@@ -39,12 +35,8 @@ from dataclasses import dataclass
 import torch
 from oscar_kernels import FP8_MAX, FP8_MIN_STEP, SCALE_EPS, pack, to_fp8, unpack
 
-__all__ = ["CODE_WIDTHS", "FP8_MAX", "META_HEADROOM", "SCALE_EPS", "QuantizedRows", "bits_per_element", "clip_bounds",
-           "dequantize", "fake_quant", "gaussian_table", "lloyd_max", "meta_multiplier", "pack", "pack_codes",
-           "quantize", "unpack", "unpack_codes"]
-
-CODE_WIDTHS = (2, 3, 4)
-"""Code widths the reference quantizer stores (the kernels: 2 and 4, ``oscar_kernels.scheme.WIDTHS``)."""
+__all__ = ["FP8_MAX", "META_HEADROOM", "SCALE_EPS", "QuantizedRows", "bits_per_element", "clip_bounds", "dequantize",
+           "fake_quant", "gaussian_table", "lloyd_max", "meta_multiplier", "pack", "quantize", "unpack"]
 
 META_HEADROOM = 7
 """:func:`meta_multiplier` maps the largest calibration |scale| or |zero| to at most ``2**META_HEADROOM`` (128): 3.5x
@@ -53,9 +45,8 @@ headroom below e4m3's 448 for rows larger than calibration saw, 13 binades above
 
 @dataclass(frozen=True)
 class QuantizedRows:
-    """Packed rows. ``codes``: uint8 ``[..., d * bits / 8]`` (:func:`pack_codes`); ``scale``/``zero``: fp16
-    ``[..., d / group]``, or float8 e4m3 with ``mult`` (fp32, broadcastable to them) the power-of-two multiplier
-    they are stored in units of."""
+    """Packed rows. ``codes``: uint8 ``[..., d * bits / 8]``; ``scale``/``zero``: fp16 ``[..., d / group]``, or
+    float8 e4m3 with ``mult`` (fp32, broadcastable to them) the power-of-two multiplier they are stored in units of."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -77,49 +68,13 @@ class QuantizedRows:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
 
-def _codes_per_byte(bits: int) -> int:
-    """Codes per byte of the narrowest plane: 8 at 3 bits (its high-bit plane), else ``8 // bits``."""
-    if bits not in CODE_WIDTHS:
-        raise ValueError(f"bits must be 2, 3 or 4, got {bits}")
-    return 8 if bits == 3 else 8 // bits
-
-
 def _check(x: torch.Tensor, bits: int, group: int) -> None:
-    per_byte = _codes_per_byte(bits)
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 2 or 4, got {bits}")
     d = x.shape[-1]
+    per_byte = 8 // bits
     if group <= 0 or d % group or group % per_byte:
         raise ValueError(f"group {group} must divide the row length {d} and be a multiple of {per_byte}")
-
-
-def _pack_bit_plane(bits: torch.Tensor, group: int) -> torch.Tensor:
-    """0/1 uint8 ``[..., d]`` -> ``[..., d / 8]``: byte ``b`` of a group holds elements ``b, b + B, ..., b + 7B``."""
-    c = bits.to(torch.uint8).unflatten(-1, (-1, 8, group // 8))  # [..., G, 8, B]
-    out = torch.zeros(c.shape[:-2] + c.shape[-1:], dtype=torch.uint8, device=bits.device)
-    for k in range(8):
-        out |= c[..., k, :] << k
-    return out.flatten(-2)
-
-
-def _unpack_bit_plane(packed: torch.Tensor, group: int) -> torch.Tensor:
-    p = packed.unflatten(-1, (-1, group // 8))  # [..., G, B]
-    return torch.stack([(p >> k) & 1 for k in range(8)], dim=-2).flatten(-3)
-
-
-def pack_codes(codes: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """uint8 codes ``[..., d]`` -> packed ``[..., d * bits / 8]``: :func:`pack` at 2 and 4 bits; at 3 bits the low
-    two bits' 2-bit plane followed by the high bit's 1-bit plane (module docstring)."""
-    if bits != 3:
-        return pack(codes, bits, group)
-    c = codes.to(torch.uint8)
-    return torch.cat([pack(c & 3, 2, group), _pack_bit_plane(c >> 2, group)], dim=-1)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: uint8 codes ``[..., d]``."""
-    if bits != 3:
-        return unpack(packed, bits, group)
-    n = packed.shape[-1] * 2 // 3  # the 2-bit plane's d/4 bytes of the 3d/8
-    return unpack(packed[..., :n], 2, group) | (_unpack_bit_plane(packed[..., n:], group) << 2)
 
 
 def clip_bounds(x: torch.Tensor, ratio: float | torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,12 +130,12 @@ def quantize(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, 
         mids = (t[..., 1:] + t[..., :-1]) * 0.5  # [..., L]
         codes = (u.unsqueeze(-1) > mids.unsqueeze(-2)).sum(-1).float()  # mids aligned as [..., G, 1, L]
     codes = codes.to(torch.uint8).flatten(-2)
-    return QuantizedRows(pack_codes(codes, bits, group), scale, zero, bits, group, mult, table)
+    return QuantizedRows(pack(codes, bits, group), scale, zero, bits, group, mult, table)
 
 
 def dequantize(q: QuantizedRows) -> torch.Tensor:
     """Packed rows -> fp32 ``[..., d]``."""
-    codes = unpack_codes(q.codes, q.bits, q.group).float().unflatten(-1, (-1, q.group))
+    codes = unpack(q.codes, q.bits, q.group).float().unflatten(-1, (-1, q.group))
     if q.table is not None:
         t = q.table.float().to(codes.device).unsqueeze(-2)  # levels aligned as [..., G, 1, L + 1]
         t = t.expand(*codes.shape, t.shape[-1])

@@ -15,11 +15,9 @@ Three measurements, each with only one part of the cache quantized (the decode-e
   error, in nats² (from the same pass).
 
 :func:`allocate` solves the multiple-choice knapsack: one width per unit (layer × K/V) minimizing the summed
-predicted KL under a budget of storage bits per quantized element, a width ``w`` costing ``w + meta_bits / group``
-(the fit's ``widths``: 2 and 4, or 2, 3 and 4 where the reference path serves 3-bit codes). The KL of a unit at
-another width than the base is predicted as its measured KL times the ratio of its attention-output errors at the
-two widths (measured per layer in the probe pass, every width in the same forward pass), so the allocation costs
-``2 × layers`` passes plus one.
+predicted KL under a budget of storage bits per quantized element. The KL of a unit at another width than the base
+is predicted as its measured KL times the ratio of its attention-output errors at the two widths (measured per
+layer in the probe pass), so the allocation costs ``2 × layers`` passes plus one per width.
 """
 
 from __future__ import annotations
@@ -69,17 +67,6 @@ class Sensitivity:
         den = float(self.attn[(layer, kind, self.base)].sum())
         return base * (num / den if den > 0 else 0.0)
 
-    def restricted(self, widths) -> Sensitivity:
-        """The same measurements offering only ``widths`` (the base among them) to an allocation; a width that was
-        not measured is an error."""
-        widths = tuple(sorted(set(widths)))
-        missing = [w for w in widths if w not in self.widths]
-        if missing or self.base not in widths:
-            raise ValueError(f"widths {list(widths)} are not among the measured {list(self.widths)} with the base "
-                             f"{self.base}")
-        return replace(self, widths=widths, attn={k: v for k, v in self.attn.items() if k[2] in widths},
-                       logit_err={k: v for k, v in self.logit_err.items() if k[1] in widths})
-
     def to_dict(self) -> dict:
         """JSON form (the artifact's ``metrics["sensitivity"]``), per layer."""
         layers = sorted({lk[0] for lk in self.kl})
@@ -94,6 +81,7 @@ class Sensitivity:
                 for i in layers
             },
         }
+
 
     @classmethod
     def from_dict(cls, d: dict) -> Sensitivity:

@@ -49,28 +49,6 @@ def test_bench_accuracy_measures_every_row(tmp_path, tiny_run, tiny_gemma_dir):
     assert "ppl held-out (other.txt)" in out and "at 32768" in out
 
 
-@pytest.mark.parametrize("criterion", ["logit-kl", "layer-local"])
-def test_bench_accuracy_compares_width_sets_on_one_sensitivity_pass(tmp_path, tiny_run, tiny_gemma_dir, monkeypatch,
-                                                                     criterion):
-    from oscar_kernels import scheme as kernel_scheme
-
-    monkeypatch.setattr(kernel_scheme, "WIDTHS", (2, 3, 4))  # an artifact's scheme that records 3-bit layers
-    store, recipe, text = tiny_run
-    results = tmp_path / "RESULTS.md"
-    bench = load_benchmark("bench_accuracy")
-    assert bench.main(["--store", str(store), "--model", str(tiny_gemma_dir), "--recipe", str(recipe), "--data2",
-                       str(text), "--segments", "1", "--seq-len", "64", "--budgets", "2.75", "--widths", "2,4",
-                       "--widths", "2,3,4", "--allocated-only", "--sensitivity-tokens", "64", "--results",
-                       str(results), "--clip-criterion", criterion]) == 0
-    out = results.read_text()
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    clips = "clips by logit-KL" if criterion == "logit-kl" else "each layer's clips"
-    assert [r.split(" | ")[0] for r in rows] == [
-        "| bf16", f"| oscar, allocated @2.75, widths 2/3/4, fp8 scales, {clips}",
-        f"| oscar, allocated @2.75, fp8 scales, {clips}"]
-    assert f"- oscar, allocated @2.75, fp8 scales, {clips}: 4-bit keys in layers" in out
-
-
 def test_bench_criteria_ranks_with_spearman(tmp_path, tiny_run, tiny_gemma_dir):
     bench = load_benchmark("bench_criteria")
     assert bench.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)

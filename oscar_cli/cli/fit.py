@@ -34,11 +34,8 @@ def fit(
                                                      "fitted center per layer and KV head (exact: softmax ignores "
                                                      "the shift).")] = None,
     bits_per_element: Annotated[float | None, typer.Option(
-        help="Budget in storage bits per quantized element (codes + scale/zero, K and V averaged): wider keys or "
-             "values (--widths) go to the layers where the measured sensitivity says they buy the most.")] = None,
-    widths: Annotated[str | None, typer.Option(
-        help="Code widths the allocation chooses among per layer's K and V, e.g. 2,3,4 (3-bit codes run in the "
-             "reference path, not in the kernels). [2,4]")] = None,
+        help="Budget in storage bits per quantized element (codes + scale/zero, K and V averaged): 4-bit keys or "
+             "values go to the layers where the measured sensitivity says they buy the most.")] = None,
     sensitivity_tokens: Annotated[int | None, typer.Option(
         help="Calibration tokens scored through the model with each layer's K or V quantized alone (0: none).")] = None,
     clip_criterion: Annotated[str | None, typer.Option(
@@ -62,7 +59,7 @@ def fit(
     import dataclasses
     import json
 
-    from ..config import ConfigError, FitConfig, load_recipe
+    from ..config import FitConfig, load_recipe
     from ..jobs import check_fit, run_fit
     from ..store import Store
 
@@ -77,11 +74,6 @@ def fit(
                                        bits_per_element=bits_per_element, sensitivity_tokens=sensitivity_tokens,
                                        model=model, context=context, clip_criterion=clip_criterion).items()
                  if v is not None}
-    if widths is not None:
-        try:
-            overrides["widths"] = tuple(int(w) for w in widths.split(",") if w.strip())
-        except ValueError:
-            raise ConfigError(f"--widths {widths!r} is not a list of code widths like 2,3,4") from None
     cfg = dataclasses.replace(base, scheme=scheme, **overrides)
     recipe_text = rec.source if rec else _recipe_yaml(cfg)
     st = Store(store, create=False)
@@ -101,12 +93,11 @@ def fit(
     if "allocation" in manifest.metrics:
         a = manifest.metrics["allocation"]
         sch = manifest.scheme
-        wider = sorted({sch.width(i, kind) for i in manifest.layers for kind in "kv"} - {sch.bits}) or [4]
-        where = "; ".join(f"{w}-bit keys in layers {[i for i in manifest.layers if sch.width(i, 'k') == w] or 'none'}, "
-                          f"{w}-bit values in {[i for i in manifest.layers if sch.width(i, 'v') == w] or 'none'}"
-                          for w in wider)
+        k4 = [i for i in manifest.layers if sch.width(i, "k") == 4]
+        v4 = [i for i in manifest.layers if sch.width(i, "v") == 4]
         out.print(f"  allocation: {a['bits_per_element']:.3f} bits/element at {a['context']} tokens (budget "
-                  f"{a['budget']:g}); {where}")
+                  f"{a['budget']:g}); 4-bit keys in "
+                  f"layers {k4 or 'none'}, 4-bit values in {v4 or 'none'}")
     for kv, label in (("distortion_k", "keys"), ("distortion_v", "values")):
         m, wins = s[kv]["mean"], s[kv]["artifact_better_layers"]
         out.print(f"  {label}: held-out distortion {m['artifact']:.4f} vs hadamard {m['hadamard']:.4f} "
@@ -123,6 +114,5 @@ def _recipe_yaml(cfg) -> str:
     fit = dataclasses.asdict(cfg)
     fit["clip_grid"] = list(cfg.clip_grid)
     fit["clip_scale_grid"] = list(cfg.clip_scale_grid)
-    fit["widths"] = list(cfg.widths)
     fit["scheme"] = cfg.scheme.to_dict()
     return yaml.safe_dump({"fit": fit}, sort_keys=False)
