@@ -80,15 +80,15 @@ def model_folder(model: str, store: Path) -> Path:
     return folder
 
 
-def tokenizer(model: str, store: Path):
+def tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_folder(model, store)))
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
-def evaluate(model: str, store: Path, samples: int, lengths: list[int], grid_samples: int,
-             answers: dict[str, str] | None):
-    """lm-eval over the offline tasks with a recording/replaying model: ``(results, model)``."""
+def evaluate(model: str, tok, samples: int, lengths: list[int], grid_samples: int, answers: dict[str, str] | None):
+    """lm-eval over the offline tasks with a recording/replaying model (``tok``: the model's tokenizer, registered
+    under the name ``model`` for the task generators): ``(results, model)``."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -96,7 +96,6 @@ def evaluate(model: str, store: Path, samples: int, lengths: list[int], grid_sam
     from oscar_cli.eval.lm_eval_tasks import TASKS_DIR
     from oscar_cli.tasks import TOKENIZERS
 
-    tok = tokenizer(model, store)
     TOKENIZERS[model] = tok
     lm = _lm_class()(answers)
     results = {}
@@ -109,14 +108,16 @@ def evaluate(model: str, store: Path, samples: int, lengths: list[int], grid_sam
         res = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=None, task_manager=tm, log_samples=False,
                                       bootstrap_iters=0)
         results.update(res["results"])
-    return results, lm, tok
+    return results, lm
 
 
 def prepare(args) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
-    _, lm, tok = evaluate(args.model, args.store, args.samples, lengths, args.grid_samples, None)
+    folder = model_folder(args.model, args.store)
+    tok = tokenizer(folder)
+    _, lm = evaluate(args.model, tok, args.samples, lengths, args.grid_samples, None)
     # token ids as lm-eval's HF model encodes a context: special tokens (BOS) only for the models it adds them to
-    config = json.loads((model_folder(args.model, args.store) / "config.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
     bos = config.get("model_type", "").startswith("gemma")
     reqs = []
     for i, (context, gen, doc, task) in enumerate(lm.asked):
@@ -147,6 +148,7 @@ def score(args) -> None:
     files = sorted(args.answers.glob("ruler-*.json"))
     if not files:
         raise SystemExit(f"ruler_server: no ruler-*.json answers under {args.answers}")
+    tok = tokenizer(model_folder(spec["model"], args.store))
     table, grids, meta = {}, {}, {}
     for f in files:
         got = json.loads(f.read_text())
@@ -156,8 +158,7 @@ def score(args) -> None:
         if missing:
             print(f"{name}: {missing} requests unanswered; skipped", file=sys.stderr)
             continue
-        results, _, _ = evaluate(spec["model"], args.store, spec["samples"], spec["lengths"], spec["grid_samples"],
-                                 answers)
+        results, _ = evaluate(spec["model"], tok, spec["samples"], spec["lengths"], spec["grid_samples"], answers)
         table[name] = results
         meta[name] = got
         grids[name] = grid_cells(spec, got["answers"])
@@ -173,13 +174,16 @@ def score(args) -> None:
 
 
 def grid_cells(spec: dict, answers: dict) -> dict:
-    """(length, depth) -> fraction of the needle grid's samples whose answer holds the number."""
+    """(length, depth) -> fraction of the needle grid's samples the task's own metric scores as retrieved."""
+    from oscar_cli.config import OFFLINE_TASKS
+    from oscar_cli.tasks.niah import process_results
+
     cells: dict[tuple[int, float], list[float]] = {}
     for r in spec["requests"]:
-        if r["task"] != "oscar_niah" or "depth" not in r["doc"]:
+        if r["task"] != OFFLINE_TASKS[GRID_TASK] or "depth" not in r["doc"]:
             continue
-        text = answers[str(r["id"])]
-        cells.setdefault((r["doc"]["max_length"], r["doc"]["depth"]), []).append(float(r["doc"]["answer"] in text))
+        hit = process_results(r["doc"], [answers[str(r["id"])]])["acc"]
+        cells.setdefault((r["doc"]["max_length"], r["doc"]["depth"]), []).append(hit)
     return {k: sum(v) / len(v) for k, v in cells.items()}
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from oscar_cli.tasks.niah import QUESTION  # the needle grid's question, asked the same way
+
 pytest.importorskip("sglang.srt.plugins", reason="SGLang is not installed here (it pins a CUDA torch)")
 torch = pytest.importorskip("torch")
 MODEL, ARTIFACT = os.environ.get("OSCAR_LIVE_MODEL"), os.environ.get("OSCAR_LIVE_ARTIFACT")
@@ -44,8 +46,6 @@ PREFIX_TOKENS = 3000
 DEPTHS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 """Needle positions as fractions of the prefix: 0.0 is its first tokens (sinks), 1.0 its last (recent window)."""
 KEYS = ("amber-falcon", "cobalt-harbor", "juniper-lantern", "meadow-nickel", "orchid-quartz", "falcon-meadow")
-QUESTION = ("\nWhat is the special magic number for {key} mentioned in the text above? The special magic number "
-            "for {key} is")
 NEW_TOKENS = 12
 START_TIMEOUT_S = 900
 
