@@ -286,6 +286,8 @@ def _tuple(v, where: str, conv) -> tuple:
 
 
 def _eval_config(ev: dict[str, Any], model: str, where: str) -> EvalConfig:
+    if not isinstance(ev, dict):
+        raise ConfigError(f"{where} must be a mapping")
     bad = sorted(set(ev) - EVAL_KEYS)
     if bad:
         raise ConfigError(f"unknown key(s) {', '.join(bad)} in {where}; allowed: {', '.join(sorted(EVAL_KEYS))}")

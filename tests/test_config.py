@@ -57,7 +57,9 @@ def test_unknown_keys_are_errors(tmp_path):
                          ("fit:\n  scheme:\n    bitz: 2\n", "unknown key.*bitz"),
                          ("colect: {}\n", "unknown section"),
                          ("eval:\n  methods: [bf16]\n  ablation: true\n", "unknown key.*ablation"),
-                         ("fit:\n  scheme:\n    bits: 3\n", "bits must be 2 or 4")]:
+                         ("fit:\n  scheme:\n    bits: 3\n", "bits must be 2 or 4"),
+                         ("eval: 1.0\n", "eval must be a mapping"), ("eval: [null]\n", "eval must be a mapping"),
+                         ("fit: [1]\n", "fit must be a mapping")]:
         p.write_text(text)
         with pytest.raises(ConfigError, match=needle):
             load_recipe(p)
