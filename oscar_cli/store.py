@@ -126,8 +126,10 @@ class Store:
             self.check()  # a damaged store is refused before anything writes into it
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
-            fresh = not self.path.is_file()
             with self._connect() as con:
+                # fresh or not is decided under the connection's file lock: another process may have created the
+                # store between a look at the file and this connection
+                fresh = not con.execute("SELECT count(*) FROM information_schema.tables").fetchone()[0]
                 con.execute(SCHEMA)
                 if fresh:
                     con.execute(MIGRATIONS[1][0])

@@ -155,6 +155,25 @@ def test_a_full_disk_mid_batch_rolls_back_and_says_so(tmp_path, monkeypatch):
     assert st.get_run(rid).batches_done == 1
 
 
+def test_a_store_created_by_another_process_first_is_opened_not_created_again(tmp_path, monkeypatch):
+    """Two commands creating one store at once: the one that gets the file second finds the other's store (whether
+    the store is new is decided under the file lock, not by a look at the file before it)."""
+    real = Store._connect
+    raced = []
+
+    def other_process_first(self, read_only=False):
+        if not raced:  # between this process's look at the folder and its connection, another creates the store
+            raced.append(True)
+            _new_run(Store(self.root))
+        return real(self, read_only)
+
+    monkeypatch.setattr(Store, "_connect", other_process_first)
+    st = Store(tmp_path)
+    assert raced and [r.run_id for r in st.list_runs()] == [1]
+    assert st.schema_version() == Store(tmp_path).schema_version()
+    assert _new_run(st) == 2
+
+
 def test_a_version_1_store_is_migrated_in_place_and_a_newer_one_refused(tmp_path):
     """A store written before the schema version existed (no ``meta`` table) keeps its runs and statistics and is
     migrated to the current version when opened for writing; read-only opens leave it as it is; a store of a newer
