@@ -3,7 +3,7 @@ texts the calibration never saw, at equal bits.
 
 Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model smollm2-135m] [--data2 FILE]
        [--segments 16] [--seq-len 1024] [--budgets 2.5,2.75,3.0,3.5] [--sensitivity-tokens 1024] [--group G]
-       [--layers SPEC] [--key-layouts] [--plot FILE.png]
+       [--layers SPEC] [--key-layouts] [--peers hf-hqq[,...]] [--peers-only] [--plot FILE.png]
        [--recipe recipes/smollm2-135m.yaml] [--commit SHA] [--results benchmarks/RESULTS.md]
 
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
@@ -17,6 +17,11 @@ only its keys or only its values quantized (where the gap lives). Bits per eleme
 scale/zero, K and V averaged over the rows each layer holds: at the evaluated length and at 32k, where a sliding-
 window layer holds only its window; sinks and recent rows are BF16 in every row alike). Prints one table and appends
 it to RESULTS.md with date, device, commit and command.
+
+``--peers`` adds transformers' ``QuantizedCache`` peers (``hf-hqq``: the HQQ backend at 2 bits, group 64, its own
+default axes, a BF16 residual of the recipe's recent window and no sink; needs ``pip install hqq``), scored token by
+token through the cache (they have no teacher-forced path: ~20 tokens/s on two cores); ``--peers-only`` scores BF16
+and the peers alone (no fits).
 
 ``--key-layouts`` instead compares key layouts at equal bits, keys alone quantized (values exact): OSCAR's per-token
 key groups after rotation (one group per head row, fp16 scale/zero), per-token groups of half a row with fp8
@@ -58,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default=None, help="override the recipe's fitted layers (others stay BF16)")
     ap.add_argument("--key-layouts", action="store_true",
                     help="compare key layouts at equal bits (per-token rows, per-channel blocks, half-row groups)")
+    ap.add_argument("--peers", default="", help="transformers QuantizedCache peers to score too, e.g. hf-hqq")
+    ap.add_argument("--peers-only", action="store_true", help="score BF16 and --peers only (no fits)")
     ap.add_argument("--plot", default=None, help="also draw perplexity against bits per element (PNG)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
@@ -98,10 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="oscar-bench-accuracy-"))
     if args.key_layouts:
         return key_layouts(args, argv, store, run, base_cfg, model, d, segs, tmp)
+    peers = [get_method(name) for name in args.peers.split(",") if name]
+    if any(not m.cache_only for m in peers):
+        raise SystemExit(f"--peers takes transformers QuantizedCache methods (hf-hqq, hf-quanto), not {args.peers}")
+    for m in peers:
+        prepare(model, m, scheme_for(m, d))  # a missing backend package fails now, before the fits
     fits: dict[str, Path] = {}
     t0 = time.time()
     fp16 = dataclasses.replace(base_cfg.without_model_pass(),
                                scheme=dataclasses.replace(base_cfg.scheme, scale_dtype="fp16"))
+    if args.peers_only:
+        return peers_only(args, argv, run, model, d, segs, base_cfg, peers)
     fits["oscar, INT2, fp16 scales"] = run_fit(store, args.run, fp16, tmp, "")[0]
     for label, change in (("centered keys", dict(center_keys=True)), ("fitted levels", dict(levels="fitted"))):
         cfg = dataclasses.replace(fp16, scheme=dataclasses.replace(fp16.scheme, **change))
@@ -146,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         m = get_method(name)
         s = scheme_for(m, d, overrides=sink_recent)
         add(f"{name} (its own sink/recent)" if m.own_sink_recent else name, s, None, score(prepare(model, m, s)))
+    for m in peers:
+        s = scheme_for(m, d, overrides=sink_recent)
+        rows.append(peer_row(m, s, score(prepare(model, m, s)), ref, list(segs)))
+        print(rows[-1], flush=True)
     oscar = get_method("oscar")
     for label, path in fits.items():
         art = load_artifact(path)
@@ -178,6 +196,47 @@ def main(argv: list[str] | None = None) -> int:
         f"{art0.scheme.sink}, recent {art0.scheme.recent}; fits and the sensitivity pass "
         f"({args.sensitivity_tokens} calibration tokens) took {fit_s:.0f} s.",
         table, command=sys.argv if argv is None else ["benchmarks/bench_accuracy.py", *argv], extra=extra + "\n")
+    return 0
+
+
+def peer_row(m, scheme, ppl: dict[str, float], ref: dict[str, float], texts: list[str]) -> list[str]:
+    """A table row for a QuantizedCache peer: its label (backend, group, residual), the bits of its quantized rows
+    (2-bit codes with a scale and zero in the model dtype per 64 elements, as it stores them on a GPU) and the
+    perplexity cells."""
+    bits = f"{m.bits + 2 * 16 / 64:.3f}"
+    label = (f"{m.name} (transformers QuantizedCache, {m.backend} backend: {m.bits}-bit, group 64, default axes, "
+             f"BF16 residual up to {scheme.recent}, no sink; decoded token by token)")
+    return [label, bits, bits, *(f"{ppl[n]:.3f} (x{ppl[n] / ref[n]:.3f})" for n in texts)]
+
+
+def peers_only(args, argv, run, model, d: int, segs: dict, base_cfg, peers) -> int:
+    """``--peers-only``: BF16 (teacher-forced) and each peer (through its cache), one table appended."""
+    from oscar_cli.eval.perplexity import perplexity
+    from oscar_cli.methods import get_method, scheme_for
+    from oscar_cli.prepare import prepare
+
+    bf16 = get_method("bf16")
+    t0 = time.time()
+    ref = {n: perplexity(model, s, prepare(model, bf16, scheme_for(bf16, d))) for n, s in segs.items()}
+    rows = [["bf16", "16", "16", *(f"{ref[n]:.3f} (x1.000)" for n in segs)]]
+    print(rows[-1], flush=True)
+    recent = {"sink": base_cfg.scheme.sink, "recent": base_cfg.scheme.recent}
+    for m in peers:
+        s = scheme_for(m, d, overrides=recent)
+        rows.append(peer_row(m, s, {n: perplexity(model, seg, prepare(model, m, s)) for n, seg in segs.items()},
+                             ref, list(segs)))
+        print(rows[-1], flush=True)
+    headers = ["method", f"bits/element at {args.seq_len}", f"at {LONG}", *(f"ppl {n}" for n in segs)]
+    table = markdown_table(headers, rows)
+    print(table)
+    fp32 = "fp32, " if next(model.parameters()).dtype == torch.float32 else ""
+    append_section(
+        args.results, f"Accuracy at equal bits, QuantizedCache peers ({run.model_slug})",
+        f"CPU ({fp32}{torch.get_num_threads()} threads)", args.commit or "unknown",
+        f"{args.segments} segments of {args.seq_len} tokens per text (the same segments as the \"Accuracy at equal "
+        f"bits\" tables); BF16 teacher-forced, each peer decoded token by token through its cache; "
+        f"{time.time() - t0:.0f} s.",
+        table, command=sys.argv if argv is None else ["benchmarks/bench_accuracy.py", *argv])
     return 0
 
 
