@@ -9,8 +9,8 @@ Usage: python benchmarks/bench_accuracy.py --store DIR [--run latest] [--model s
 From a complete ``oscar collect`` run it fits, with the recipe's fit settings (:func:`oscar_cli.jobs.run_fit` into a
 temporary artifact folder): uniform INT2 with fp16 scales (the scheme before allocations), the same with centered keys
 and with fitted levels (the ablations) and with clips scaled by the final-logit KL, uniform INT2 with fp8 scales, and
-the budgeted allocation with fp8 scales and logit-KL clips at every ``--budgets`` value (one sensitivity pass, reused;
-registered in the store as any fit is). It scores each, and BF16, INT2-Hadamard (uniform and Gaussian levels), KIVI-2
+the budgeted allocation with fp8 scales and the recipe's clip criterion at every ``--budgets`` value (one sensitivity
+pass, reused; registered in the store as any fit is). It scores each, and BF16, INT2-Hadamard (uniform and Gaussian levels), KIVI-2
 and INT4-Hadamard (data-free baselines), teacher-forced through the decode-equivalent attention on ``--segments``
 segments of the built-in held-out text and of ``--data2`` (a text outside the repository), and the fp16-scale fit with
 only its keys or only its values quantized (where the gap lives). Bits per element are the quantized part's (codes and
@@ -127,10 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     fp8 = dataclasses.replace(fp16, scheme=fp8_scheme)
     fits["oscar, INT2, fp8 scales"] = run_fit(store, args.run, fp8, tmp, "")[0]
     measured = None  # one sensitivity pass, reused by every budget
+    # the allocated fits use the recipe's clip criterion (the recipe is what `oscar fit` runs)
+    alloc_clips = dict(clip_criterion=base_cfg.clip_criterion, sensitivity_tokens=args.sensitivity_tokens)
+    clips_label = "clips by logit-KL" if base_cfg.clip_criterion == "logit-kl" else "each layer's own clips"
     for b in budgets:
-        cfg = dataclasses.replace(fp8, bits_per_element=b, **kl_clips)
+        cfg = dataclasses.replace(fp8, bits_per_element=b, **alloc_clips)
         path, manifest = run_fit(store, args.run, cfg, tmp, "", measured=measured)
-        fits[f"oscar, allocated @{b:g}, fp8 scales, clips by logit-KL"] = path
+        fits[f"oscar, allocated @{b:g}, fp8 scales, {clips_label}"] = path
         if "allocation" in manifest.metrics:  # a budget at the uniform scheme's bits allocates nothing
             measured = (Sensitivity.from_dict(manifest.metrics["sensitivity"]),
                         manifest.metrics["allocation"]["layer_tokens"], manifest.metrics.get("clip_scale"))
