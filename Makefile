@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # The CPU torch wheel is pinned in the same resolve as everything else, so no resolver can swap in a CUDA build.
 DEPS := torch==2.13.0 "lm-eval[hf,ruler]==0.4.13" transformers gguf duckdb typer rich datasets triton \
         safetensors numpy pyyaml matplotlib pyarrow fastapi uvicorn pytest pytest-xdist ruff openai tenacity \
-        hypothesis
+        hypothesis hqq
 
 .PHONY: setup demo test test-slow gemma gpu-test lint bench clean
 

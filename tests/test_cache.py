@@ -150,6 +150,32 @@ def test_unusable_operations_and_peers_are_clear_errors():
             make_cache(model, get_method("hf-hqq"), None, SinkRecent(0, 64))
 
 
+def test_the_hqq_peer_decodes_through_transformers_quantized_cache():
+    """``hf-hqq`` (the accuracy tables' HQQ row) is transformers' own ``QuantizedCache`` with the hqq package's
+    quantizer: decoded token by token, its states past the residual are stored as 2-bit codes (not kept exact), and
+    its perplexity is the BF16 one's to within quantization noise, never equal to it."""
+    pytest.importorskip("hqq")
+    from oscar_cli.eval.perplexity import perplexity
+    from oscar_cli.prepare import prepare
+
+    model = tiny_llama()
+    seg = ids(1, 150, seed=3)
+    hqq, bf16 = get_method("hf-hqq"), get_method("bf16")
+    scheme = scheme_for(hqq, D, overrides={"recent": 32})
+    cache = make_cache(model, hqq, None, scheme)
+    kw = cache_kwarg(model)
+    with torch.no_grad():
+        for t in range(seg.shape[1]):
+            model(seg[:, t : t + 1], **{kw: cache}, use_cache=True)
+    layer = cache.layers[0]
+    codes, meta = layer._quantized_keys
+    assert meta["nbits"] == 2 and codes.dtype == torch.uint8
+    assert layer.keys.shape[-2] < 32  # the residual was flushed into the codes
+    p_hqq = perplexity(model, seg, prepare(model, hqq, scheme))
+    p_bf16 = perplexity(model, seg, prepare(model, bf16, scheme_for(bf16, D)))
+    assert p_hqq != p_bf16 and abs(p_hqq / p_bf16 - 1) < 0.05
+
+
 def test_cache_refuses_another_attention_implementation():
     """The cache attends by itself; if the model is switched back to SDPA it must refuse, not attend the tail only."""
     model = tiny_llama()
