@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_cli.eval.segments import segments_of, token_ids
     from oscar_cli.jobs import load_run_model, run_fit
     from oscar_cli.kvquant import EXACT, build_layer_quants
-    from oscar_cli.methods import get_method, scheme_for
+    from oscar_cli.methods import get_method, hf_backend, scheme_for
     from oscar_cli.models import layer_tokens
     from oscar_cli.prepare import Prepared, head_dim_of, prepare
     from oscar_cli.sensitivity import Sensitivity
@@ -109,13 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(not m.cache_only for m in peers):
         raise SystemExit(f"--peers takes transformers QuantizedCache methods (hf-hqq, hf-quanto), not {args.peers}")
     for m in peers:
-        prepare(model, m, scheme_for(m, d))  # a missing backend package fails now, before the fits
+        hf_backend(m)  # a missing backend package fails now, before the fits
+    if args.peers_only:
+        return peers_only(args, argv, run, model, d, segs, base_cfg, peers)
     fits: dict[str, Path] = {}
     t0 = time.time()
     fp16 = dataclasses.replace(base_cfg.without_model_pass(),
                                scheme=dataclasses.replace(base_cfg.scheme, scale_dtype="fp16"))
-    if args.peers_only:
-        return peers_only(args, argv, run, model, d, segs, base_cfg, peers)
     fits["oscar, INT2, fp16 scales"] = run_fit(store, args.run, fp16, tmp, "")[0]
     for label, change in (("centered keys", dict(center_keys=True)), ("fitted levels", dict(levels="fitted"))):
         cfg = dataclasses.replace(fp16, scheme=dataclasses.replace(fp16.scheme, **change))
@@ -189,10 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = "\n".join(f"- {label}: 4-bit keys in layers "
                       f"{[i for i, w in enumerate(s.bits_k) if w == 4]}, 4-bit values in "
                       f"{[i for i, w in enumerate(s.bits_v) if w == 4]}" for label, s in alloc.items())
-    fp32 = "fp32, " if next(model.parameters()).dtype == torch.float32 else ""
-    device = f"CPU ({fp32}{torch.get_num_threads()} threads)"
     append_section(
-        args.results, f"Accuracy at equal bits ({run.model_slug})", device, args.commit or "unknown",
+        args.results, f"Accuracy at equal bits ({run.model_slug})", cpu_device(model), args.commit or "unknown",
         f"Run {run.run_id} ({run.tokens} calibration tokens), recipe {args.recipe}; {args.segments} segments of "
         f"{args.seq_len} tokens per text, group {art0.scheme.group}, layers {base_cfg.layers}, teacher-forced "
         f"through the decode-equivalent attention; sink "
@@ -200,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         f"({args.sensitivity_tokens} calibration tokens) took {fit_s:.0f} s.",
         table, command=sys.argv if argv is None else ["benchmarks/bench_accuracy.py", *argv], extra=extra + "\n")
     return 0
+
+
+def cpu_device(model) -> str:
+    """The device column of the tables: the CPU, the model's dtype if fp32, and torch's thread count."""
+    fp32 = "fp32, " if next(model.parameters()).dtype == torch.float32 else ""
+    return f"CPU ({fp32}{torch.get_num_threads()} threads)"
 
 
 def peer_row(m, scheme, ppl: dict[str, float], ref: dict[str, float], texts: list[str]) -> list[str]:
@@ -232,10 +236,9 @@ def peers_only(args, argv, run, model, d: int, segs: dict, base_cfg, peers) -> i
     headers = ["method", f"bits/element at {args.seq_len}", f"at {LONG}", *(f"ppl {n}" for n in segs)]
     table = markdown_table(headers, rows)
     print(table)
-    fp32 = "fp32, " if next(model.parameters()).dtype == torch.float32 else ""
     append_section(
-        args.results, f"Accuracy at equal bits, QuantizedCache peers ({run.model_slug})",
-        f"CPU ({fp32}{torch.get_num_threads()} threads)", args.commit or "unknown",
+        args.results, f"Accuracy at equal bits, QuantizedCache peers ({run.model_slug})", cpu_device(model),
+        args.commit or "unknown",
         f"{args.segments} segments of {args.seq_len} tokens per text (the same segments as the \"Accuracy at equal "
         f"bits\" tables); BF16 teacher-forced, each peer decoded token by token through its cache; "
         f"{time.time() - t0:.0f} s.",
@@ -321,10 +324,8 @@ def key_layouts(args, argv, store, run, base_cfg, model, d: int, segs: dict, tmp
     head = ["key layout", "bits per key element", *(f"ppl {n}" for n in segs)]
     table = markdown_table(head, rows)
     print(table)
-    fp32 = "fp32, " if next(model.parameters()).dtype == torch.float32 else ""
     append_section(
-        args.results, f"Key layout at equal bits ({run.model_slug})", f"CPU ({fp32}{torch.get_num_threads()} threads)",
-        args.commit or "unknown",
+        args.results, f"Key layout at equal bits ({run.model_slug})", cpu_device(model), args.commit or "unknown",
         f"Run {run.run_id} ({run.tokens} calibration tokens), recipe {args.recipe}; {args.segments} segments of "
         f"{args.seq_len} tokens per text, teacher-forced through the decode-equivalent attention; sink "
         f"{art.scheme.sink}, recent {art.scheme.recent}; keys only (values exact in every row); fits took "

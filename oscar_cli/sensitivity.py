@@ -82,7 +82,6 @@ class Sensitivity:
             },
         }
 
-
     @classmethod
     def from_dict(cls, d: dict) -> Sensitivity:
         """Inverse of :meth:`to_dict` (the artifact's ``metrics["sensitivity"]``)."""
