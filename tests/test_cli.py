@@ -1,6 +1,7 @@
 """The CLI end to end: a tiny random-weight Llama (fast) and the embedded default (slow)."""
 
 import json
+import re
 import time
 
 import numpy as np
@@ -38,6 +39,8 @@ def test_collect_fit_inspect_on_a_tiny_model(tmp_path, tiny_store, tiny_model_di
     arts = tmp_path / "artifacts"
     r = invoke("fit", "--store", tiny_store, "--artifacts", arts, "--layers", "0-1", "--sink", "4", "--recent", "8")
     assert r.exit_code == 0, r.output
+    # the summary names both baselines' layer counts: plain Hadamard and Hadamard with clips
+    assert re.search(r"better than hadamard on \d/2 layers, than hadamard with clips on \d/2", r.output), r.output
     folder = arts / tiny_model_dir.name.lower() / "v1"
     assert (folder / "rotations.safetensors").is_file() and (folder / "recipe.yaml").is_file()
     r = invoke("inspect", "latest", "--store", tiny_store, "--json", "--plot", tmp_path / "p.png")

@@ -102,7 +102,8 @@ def fit(
         m, wins = s[kv]["mean"], s[kv]["artifact_better_layers"]
         out.print(f"  {label}: held-out distortion {m['artifact']:.4f} vs hadamard {m['hadamard']:.4f} "
                   f"(+clip {m['hadamard_clip']:.4f}), identity {m['identity']:.4f}; better than hadamard on "
-                  f"{wins['hadamard']}/{s[kv]['layers']} layers")
+                  f"{wins['hadamard']}/{s[kv]['layers']} layers, than hadamard with clips on "
+                  f"{wins['hadamard_clip']}/{s[kv]['layers']}")
 
 
 def _recipe_yaml(cfg) -> str:
