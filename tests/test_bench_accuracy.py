@@ -79,3 +79,48 @@ def test_bench_accuracy_key_layouts_at_equal_bits(tmp_path, tiny_run, tiny_gemma
                                                         "OSCAR keys per channel over 32-token blocks (KIVI's layout)"]
     ppl = [r[3].strip().split(" ")[0] for r in rows]
     assert len(set(ppl)) == 4 and len({r[2].strip() for r in rows[1:]}) == 1  # all measured, at one bit count
+
+
+def test_key_split_rotation_puts_the_read_directions_first():
+    """bench_key_split's rotation is orthogonal, its 4-bit block spans exactly the directions of the largest
+    query-times-key energy, and the keys' offset sits on the 2-bit block's constant row (the zero point's)."""
+    import torch
+
+    from oscar_cli import rotation as rot
+
+    bench = load_benchmark("bench_key_split")
+    d, m = 16, 4
+    g = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0]
+    lam = torch.logspace(2, -2, d, dtype=torch.float64)
+    cq = basis @ torch.diag(lam) @ basis.T
+    offset = torch.randn(d, generator=g, dtype=torch.float64)
+    rows = torch.randn(4096, d, generator=g, dtype=torch.float64) @ basis @ torch.diag(lam.flip(0).sqrt()) + 3 * offset
+    ck = rows.T @ rows / rows.shape[0]
+    r = bench.split_rotation(cq, ck, m)
+    assert torch.allclose(r.T @ r, torch.eye(d, dtype=torch.float64), atol=1e-10)
+    lam_u, u = rot.anchored_eigh(ck, cq)
+    energy = lam_u * torch.einsum("di,de,ei->i", u, ck, u)
+    energy[0] = -torch.inf
+    top = u[:, energy.argsort(descending=True)[:m]]
+    assert torch.allclose((r[:, :m].T @ top).norm(dim=0), torch.ones(m, dtype=torch.float64), atol=1e-8)
+    on_low = u[:, 0] @ r[:, m:]
+    assert torch.allclose(on_low.abs(), torch.full((d - m,), (d - m) ** -0.5, dtype=torch.float64), atol=1e-8)
+
+
+def test_bench_key_split_measures_its_rows(tmp_path, tiny_run, tiny_gemma_dir):
+    store, recipe, text = tiny_run
+    results = tmp_path / "RESULTS.md"
+    bench = load_benchmark("bench_key_split")
+    from oscar_cli import attention
+
+    plain = attention.roundtrip
+    assert bench.main(["--store", str(store), "--model", str(tiny_gemma_dir), "--recipe", str(recipe), "--data2",
+                       str(text), "--segments", "1", "--seq-len", "64", "--split", "8", "--clips-hi", "1.0",
+                       "--clips-lo", "0.6,0.8", "--sensitivity-tokens", "64", "--results", str(results)]) == 0
+    assert attention.roundtrip is plain  # the split quantizer is gone once the script is done
+    out = results.read_text()
+    assert "Key rows split by query energy" in out and "| bf16 |" in out and "OSCAR uniform INT2" in out
+    # head dim 32: keys (8 x 4 + 24 x 2 + two fp8 scale/zero pairs) / 32 = 3.5, values 2 + 16 / 32 = 2.5
+    assert "8 directions 4-bit + 24 2-bit" in out and "| 3.000 |" in out
+    assert "| KL 1.0/0.6 | KL 1.0/0.8 |" in out
