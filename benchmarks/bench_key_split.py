@@ -40,17 +40,18 @@ import torch
 from oscar_cli.results_md import append_section, markdown_table
 
 
-def split_rotation(cq: torch.Tensor, ck: torch.Tensor, m: int) -> torch.Tensor:
+def split_rotation(cq: torch.Tensor, ck: torch.Tensor, m: int, least: bool = False) -> torch.Tensor:
     """float64 ``[d, d]``: columns ``:m`` mix the ``m`` directions of the largest ``λ_i σ_i²`` (C_Q's eigenbasis
     anchored on the keys' offset, ``σ_i²`` the keys' second moment along it), columns ``m:`` the others, the offset
     first; each block by its own bit-reversal placement and normalised Hadamard (:func:`oscar_cli.rotation.compose`
-    restricted to the block)."""
+    restricted to the block). ``least``: the control, the ``m`` directions of the *smallest* energy in the 4-bit
+    block instead."""
     from oscar_cli import rotation as rot
 
     lam, u = rot.anchored_eigh(ck, cq)
     energy = lam * torch.einsum("di,de,ei->i", u, ck, u)
-    energy[0] = -torch.inf  # the offset stays in the 2-bit block
-    order = torch.argsort(energy, descending=True)
+    energy[0] = torch.inf if least else -torch.inf  # the offset stays in the 2-bit block
+    order = torch.argsort(energy, descending=not least)
     top, low = order[:m], order[m:]
     low = torch.cat([low[low == 0], low[low != 0][torch.argsort(lam[low[low != 0]], descending=True)]])
     top = top[torch.argsort(lam[top], descending=True)]
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clips-hi", default="0.9,1.0")
     ap.add_argument("--clips-lo", default="0.55,0.6,0.65,0.7")
     ap.add_argument("--sensitivity-tokens", type=int, default=1024)
+    ap.add_argument("--least", action="store_true",
+                    help="also the control: the directions of the least energy in the 4-bit block")
     ap.add_argument("--commit", default="")
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
@@ -178,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     his = [float(c) for c in args.clips_hi.split(",")]
     los = [float(c) for c in args.clips_lo.split(",")]
     kl_table = []
-    for m in (int(s) for s in args.split.split(",") if s):
-        rots = {i: torch.stack([split_rotation(cov(i, h, "q"), cov(i, h, "k"), m) for h in range(kv)]).float()
+    runs = [(int(s), False) for s in args.split.split(",") if s]
+    runs += [(m, True) for m, _ in runs] if args.least else []
+    for m, least in runs:
+        rots = {i: torch.stack([split_rotation(cov(i, h, "q"), cov(i, h, "k"), m, least)
+                                for h in range(kv)]).float()
                 for i, q in enumerate(uniform) if q is not None}
         quants = [None if q is None else dataclasses.replace(q, r_k=rots[i], center_k=None, levels_k=None)
                   for i, q in enumerate(uniform)]
@@ -190,12 +196,14 @@ def main(argv: list[str] | None = None) -> int:
             with split_keys(splits):
                 kl[pair] = logit_kl(model, cal, {pair: quants}, art.scheme)[pair]
         best = min(kl, key=kl.get)
-        kl_table.append([str(m), *(f"{hi}/{lo}: {kl[(hi, lo)]:.4f}" for hi, lo in kl)])
+        kl_table.append([f"{m}{' (least energy)' if least else ''}", *(f"{hi}/{lo}: {kl[(hi, lo)]:.4f}" for hi, lo in kl)])
         splits.clear()
         splits.update({id(q.r_k): Split(m, *best) for q in quants if q is not None})
         k_bits = (m * 4 + (d - m) * 2 + 2 * 16) / d
         with split_keys(splits):
-            add(f"OSCAR keys split: {m} directions 4-bit + {d - m} 2-bit (fp8 scales each), values uniform INT2",
+            which = "least" if least else "most"
+            add(f"OSCAR keys split: the {m} {which}-read directions 4-bit + {d - m} 2-bit (fp8 scales each), values "
+                "uniform INT2",
                 (k_bits + v_bits) / 2, f"{best[0]} / {best[1]} (calibration KL)", quants)
     elapsed = time.time() - t0
     head = ["method", "bits per element (K and V)", "key clips (4-bit / 2-bit)", *(f"ppl {n}" for n in segs)]

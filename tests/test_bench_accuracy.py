@@ -106,6 +106,11 @@ def test_key_split_rotation_puts_the_read_directions_first():
     assert torch.allclose((r[:, :m].T @ top).norm(dim=0), torch.ones(m, dtype=torch.float64), atol=1e-8)
     on_low = u[:, 0] @ r[:, m:]
     assert torch.allclose(on_low.abs(), torch.full((d - m,), (d - m) ** -0.5, dtype=torch.float64), atol=1e-8)
+    control = bench.split_rotation(cq, ck, m, least=True)  # the least-read directions in the 4-bit block
+    energy[0] = torch.inf
+    bottom = u[:, energy.argsort()[:m]]
+    assert torch.allclose((control[:, :m].T @ bottom).norm(dim=0), torch.ones(m, dtype=torch.float64), atol=1e-8)
+    assert (control[:, :m].T @ top).norm() < 1e-8
 
 
 def test_bench_key_split_measures_its_rows(tmp_path, tiny_run, tiny_gemma_dir):
@@ -117,10 +122,12 @@ def test_bench_key_split_measures_its_rows(tmp_path, tiny_run, tiny_gemma_dir):
     plain = attention.roundtrip
     assert bench.main(["--store", str(store), "--model", str(tiny_gemma_dir), "--recipe", str(recipe), "--data2",
                        str(text), "--segments", "1", "--seq-len", "64", "--split", "8", "--clips-hi", "1.0",
-                       "--clips-lo", "0.6,0.8", "--sensitivity-tokens", "64", "--results", str(results)]) == 0
+                       "--clips-lo", "0.6,0.8", "--sensitivity-tokens", "64", "--least", "--results",
+                       str(results)]) == 0
     assert attention.roundtrip is plain  # the split quantizer is gone once the script is done
     out = results.read_text()
     assert "Key rows split by query energy" in out and "| bf16 |" in out and "OSCAR uniform INT2" in out
     # head dim 32: keys (8 x 4 + 24 x 2 + two fp8 scale/zero pairs) / 32 = 3.5, values 2 + 16 / 32 = 2.5
-    assert "8 directions 4-bit + 24 2-bit" in out and "| 3.000 |" in out
+    assert "the 8 most-read directions 4-bit + 24 2-bit" in out and "| 3.000 |" in out
+    assert "the 8 least-read directions 4-bit" in out and "| 8 (least energy) |" in out
     assert "| KL 1.0/0.6 | KL 1.0/0.8 |" in out
