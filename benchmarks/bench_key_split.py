@@ -59,6 +59,8 @@ def split_rotation(cq: torch.Tensor, ck: torch.Tensor, m: int, least: bool = Fal
     r = torch.zeros(d, d, dtype=torch.float64)
     for cols, idx in ((slice(0, m), top), (slice(m, d), low)):
         n = len(idx)
+        if n == 0:
+            continue
         r[:, cols] = u[:, idx] @ rot.placement(n) @ rot.mixing_matrix(n, n)[0]
     return r
 
