@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clips-lo", default="0.55,0.6,0.65,0.7")
     ap.add_argument("--sensitivity-tokens", type=int, default=1024)
     ap.add_argument("--least", action="store_true",
-                    help="also the control: the directions of the least energy in the 4-bit block")
+                    help="the control instead: the directions of the least energy in the 4-bit block")
     ap.add_argument("--commit", default="")
     ap.add_argument("--results", default="benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
@@ -183,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     his = [float(c) for c in args.clips_hi.split(",")]
     los = [float(c) for c in args.clips_lo.split(",")]
     kl_table = []
-    runs = [(int(s), False) for s in args.split.split(",") if s]
-    runs += [(m, True) for m, _ in runs] if args.least else []
-    for m, least in runs:
+    for m, least in ((int(s), args.least) for s in args.split.split(",") if s):
         rots = {i: torch.stack([split_rotation(cov(i, h, "q"), cov(i, h, "k"), m, least)
                                 for h in range(kv)]).float()
                 for i, q in enumerate(uniform) if q is not None}
