@@ -426,8 +426,8 @@ def metadata_table(gen, results: str, commit: str, bw: float, shapes=None, stora
     print(table)
     append_section(results, "Decode attention by layer storage: code widths and scale dtype",
                    torch.cuda.get_device_name(), commit,
-                   "`decode_int2` over `DecodePlan`'s lists (default launch: on CUDA the Gluon split kernel for 2-bit "
-                   "layers, the Triton one for a layer with 4-bit codes), CUDA-graph replay median; Qwen3-8B shapes "
+                   "`decode_int2` over `DecodePlan`'s lists (default launch: on CUDA the Gluon split kernel, a 4-bit "
+                   "layer's second code plane in its own cp.async ring), CUDA-graph replay median; Qwen3-8B shapes "
                    f"(32 q / 8 KV heads, d 128), g = d, sink {SINK}, recent {RECENT}; random codes; per token, head and K "
                    "or V: 32 B of 2-bit codes or 64 B of 4-bit ones, plus 4 B of fp16 scale and zero or 2 B of FP8 "
                    "ones (with a per-head multiplier).", table)

@@ -10,6 +10,7 @@
 #   writes     bench_quantize_pack.py --decode     (a decode step's K/V writes)
 #   decode     bench_decode.py                     (DecodePlan vs cuDNN / flash BF16)
 #   variants   bench_decode.py --variants          (a decode step per layer under each DecodePlan variant)
+#   metadata   bench_decode.py --metadata          (the attention per layer storage: 2-/4-bit codes, fp16/FP8 scales)
 #   variants:SET  bench_decode.py --variants --set SET  (one named variant set, e.g. variants:lean)
 #   lean       the split kernel's lean_tiles / movmatrix / fused_update: their GPU tests, then variants:lean
 #   extend     bench_extend.py --sweep             (chunked prefill vs SDPA BF16)
@@ -43,8 +44,8 @@ WORKERS=${WORKERS:-8}
 steps=${*:-tests writes decode extend cache calib ppl}
 for s in $steps; do
   case $s in
-    tests|writes|decode|variants|variants:?*|lean|extend|cache|calib|ppl) ;;
-    *) echo "unknown step $s (tests writes decode variants variants:SET lean extend cache calib ppl)" >&2; exit 2 ;;
+    tests|writes|decode|variants|variants:?*|metadata|lean|extend|cache|calib|ppl) ;;
+    *) echo "unknown step $s (tests writes decode variants variants:SET metadata lean extend cache calib ppl)" >&2; exit 2 ;;
   esac
 done
 SEED=${SHUFFLE:-}
@@ -119,6 +120,7 @@ for s in $steps; do
     writes) run writes "$STEP_TIMEOUT" python3 benchmarks/bench_quantize_pack.py --decode "${C[@]}" ;;
     decode) run decode "$STEP_TIMEOUT" python3 benchmarks/bench_decode.py "${C[@]}" ;;
     variants) run variants "$STEP_TIMEOUT" python3 benchmarks/bench_decode.py --variants "${C[@]}" ;;
+    metadata) run metadata "$STEP_TIMEOUT" python3 benchmarks/bench_decode.py --metadata "${C[@]}" ;;
     variants:*) run "variants-${s#variants:}" "$STEP_TIMEOUT" python3 benchmarks/bench_decode.py --variants \
                   --set "${s#variants:}" "${C[@]}" ;;
     lean) run lean-tests "$STEP_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rfE \

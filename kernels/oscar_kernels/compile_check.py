@@ -207,14 +207,15 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
             int8_scores=True, int8_values=True, lean_tiles=True, fused_update=True, movmatrix=True)))
 
         # 4-bit codes (two planes): keys and values (fp16 scales), and keys alone with FP8 scales, through the write,
-        # both extend paths and the decode split kernels that read them (the Triton ones: the Gluon kernel hands
-        # 4-bit layers to them)
+        # both extend paths and the decode split kernels that read them (the default for this group: the Gluon one
+        # at d = 128; the general one; the Triton row-scale one)
         for widths, scheme_4, m4 in (([(4, 4)], scheme, None), ([(4, 2)], fp8, mult)):
             pool = Int2KVPool(scheme_4, 1, kv_heads, d, 256, 2, rot, rot.clone(), clip_k=0.9, clip_v=0.95,
                               mult_k=m4, mult_v=m4, widths=widths)
             extends(pool)
             for row_kernel in (None, False):
                 step(DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel))
+            step(DecodePlan(pool, 2, 128, q_heads=hq, launch=DecodeLaunch(async_tiles=False)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,7 +171,7 @@ def decode_int2(
     fp32_dot = not gpu_codegen(q)
     two_bit = cache.k.bits == cache.v.bits == 2
     if not two_bit and not options.exact:
-        raise ValueError(f"decode options {options.describe()} run in the Gluon split kernel, which reads 2-bit codes; "
+        raise ValueError(f"decode options {options.describe()} read 2-bit codes only (int8 operands of one plane); "
                          f"this layer has {cache.k.bits}-bit keys and {cache.v.bits}-bit values: use the default "
                          "options")
     per_seq_exact = index.num_exact is not None
@@ -184,7 +184,7 @@ def decode_int2(
         if max_registers is None and bsz * hkv * max_splits >= ROWS_CAPPED_PROGRAMS:
             max_registers = ROWS_MAX_REGISTERS
         block_h = max(ROWS_MIN_BLOCK_H, triton.next_power_of_2(gqa))
-        if launch.async_tiles and not fp32_dot and two_bit and decode_async.usable(
+        if launch.async_tiles and not fp32_dot and decode_async.usable(
                 d, launch.block_n, launch.block_nb, launch.num_warps, options.num_stages):
             decode_async.launch(*split_args, block_h=block_h, options=options, max_registers=max_registers)
         else:

@@ -213,10 +213,13 @@ def _key_terms(ks, kz, live, Q8: gl.constexpr, ROW: gl.constexpr):
 
 
 @gluon.jit
-def _issue_tile(K_WORDS, V_WORDS, k_dst, v_dst, slot, valid, kvh, offs_w, stride_kws, stride_kwh, stride_vws,
-                stride_vwh, ROWS: gl.constexpr, OFF64: gl.constexpr):
-    """``cp.async`` of one tile's key and value code words (rows ``slot``) into one stage, as one commit group;
-    tokens outside ``valid`` are zero-filled without a read (a split's last "next" tile costs no memory trip)."""
+def _issue_tile(K_WORDS, V_WORDS, K_HI, V_HI, k_dst, v_dst, kh_dst, vh_dst, slot, valid, kvh, offs_w, stride_kws,
+                stride_kwh, stride_vws, stride_vwh, ROWS: gl.constexpr, OFF64: gl.constexpr, BITS_K: gl.constexpr,
+                BITS_V: gl.constexpr):
+    """``cp.async`` of one tile's key and value code words (rows ``slot``) into one stage, as one commit group, with
+    the high planes' words of 4-bit keys or values (``BITS_K``, ``BITS_V``: the low plane's strides, their own
+    rings ``kh_dst``, ``vh_dst``); tokens outside ``valid`` are zero-filled without a read (a split's last "next"
+    tile costs no memory trip)."""
     s = gl.convert_layout(slot, gl.SliceLayout(1, ROWS))
     if OFF64:
         s = s.to(gl.int64)
@@ -225,6 +228,10 @@ def _issue_tile(K_WORDS, V_WORDS, k_dst, v_dst, slot, valid, kvh, offs_w, stride
     m = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, ROWS)), 1)
     async_copy.async_copy_global_to_shared(k_dst, K_WORDS + s2 * stride_kws + kvh * stride_kwh + w2, mask=m)
     async_copy.async_copy_global_to_shared(v_dst, V_WORDS + s2 * stride_vws + kvh * stride_vwh + w2, mask=m)
+    if BITS_K == 4:
+        async_copy.async_copy_global_to_shared(kh_dst, K_HI + s2 * stride_kws + kvh * stride_kwh + w2, mask=m)
+    if BITS_V == 4:
+        async_copy.async_copy_global_to_shared(vh_dst, V_HI + s2 * stride_vws + kvh * stride_vwh + w2, mask=m)
     async_copy.commit_group()
 
 
@@ -253,7 +260,7 @@ def _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss,
 @gluon.jit
 def _decode_rows_async_kernel(
     QN,
-    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, MULT_K, MULT_V, K_HI, V_HI,  # K_HI, V_HI: 2-bit, unread
+    K_WORDS, K_SCALE, K_ZERO, V_WORDS, V_SCALE, V_ZERO, MULT_K, MULT_V, K_HI, V_HI,  # high planes: read if 4-bit
     K_BF16, V_BF16,
     KV_INDPTR, KV_INDICES, BF16_INDPTR, BF16_INDICES,
     PART_O, PART_LSE, NUM_SPLITS, NUM_EXACT,
@@ -266,7 +273,7 @@ def _decode_rows_async_kernel(
     stride_plb, stride_plh,
     GQA: gl.constexpr, BLOCK_H: gl.constexpr, OFF64: gl.constexpr, PER_SEQ_EXACT: gl.constexpr,
     STAGES: gl.constexpr, Q8: gl.constexpr, V8: gl.constexpr, LEAN: gl.constexpr, FUSED: gl.constexpr,
-    MOVM: gl.constexpr, META_FP8: gl.constexpr,
+    MOVM: gl.constexpr, META_FP8: gl.constexpr, BITS_K: gl.constexpr, BITS_V: gl.constexpr,
 ):
     D: gl.constexpr = HEAD_DIM
     W: gl.constexpr = D // 8
@@ -314,13 +321,23 @@ def _decode_rows_async_kernel(
         offs_w = gl.arange(0, W, layout=gl.SliceLayout(0, ROWS))
         k_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
         v_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
+        # 4-bit keys or values: the high plane's words in a ring of their own, copied in the same commit group
+        if BITS_K == 4:
+            kh_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
+        else:
+            kh_ring = k_ring  # never read
+        if BITS_V == 4:
+            vh_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BN, W], RING)
+        else:
+            vh_ring = v_ring
         # the first STAGES - 1 tiles in flight before the query planes are read; slots run STAGES tiles ahead of
         # the tile computed, scales one
         valid = lo + offs_t < hi
         slot = gl.load(KV_INDICES + kv_start + lo + offs_t, mask=valid, other=0)
         mk, mv = head_mults(MULT_K, MULT_V, kvh, META_FP8)
-        _issue_tile(K_WORDS, V_WORDS, k_ring.index(0), v_ring.index(0), slot, valid, kvh, offs_w, stride_kws,
-                    stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
+        _issue_tile(K_WORDS, V_WORDS, K_HI, V_HI, k_ring.index(0), v_ring.index(0), kh_ring.index(0),
+                    vh_ring.index(0), slot, valid, kvh, offs_w, stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS,
+                    OFF64, BITS_K, BITS_V)
         ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot, valid, kvh, stride_kss,
                                               stride_ksh, stride_kzs, stride_kzh, stride_vss, stride_vsh, stride_vzs,
                                               stride_vzh, mk, mv, OFF64, META_FP8)
@@ -328,8 +345,9 @@ def _decode_rows_async_kernel(
         slot1 = gl.load(KV_INDICES + kv_start + pos1, mask=pos1 < hi, other=0)  # tile 1
         slot2 = slot1
         if STAGES == 3:
-            _issue_tile(K_WORDS, V_WORDS, k_ring.index(1), v_ring.index(1), slot1, pos1 < hi, kvh, offs_w,
-                        stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
+            _issue_tile(K_WORDS, V_WORDS, K_HI, V_HI, k_ring.index(1), v_ring.index(1), kh_ring.index(1),
+                        vh_ring.index(1), slot1, pos1 < hi, kvh, offs_w, stride_kws, stride_kwh, stride_vws,
+                        stride_vwh, ROWS, OFF64, BITS_K, BITS_V)
             pos2 = lo + 2 * BN + offs_t
             slot2 = gl.load(KV_INDICES + kv_start + pos2, mask=pos2 < hi, other=0)  # tile 2
 
@@ -406,9 +424,9 @@ def _decode_rows_async_kernel(
             if LEAN:  # token masks as the tile offsets against the tokens left: 32-bit compares (LLVM widens the
                 left = hi - start  # loop counter to 64 bits for the addresses, and `start + offs < hi` with it)
                 live = offs_t < left
-                _issue_tile(K_WORDS, V_WORDS, k_ring.index(into), v_ring.index(into), slot2,
-                            offs_t < left - (STAGES - 1) * BN, kvh, offs_w, stride_kws, stride_kwh, stride_vws,
-                            stride_vwh, ROWS, OFF64)
+                _issue_tile(K_WORDS, V_WORDS, K_HI, V_HI, k_ring.index(into), v_ring.index(into),
+                            kh_ring.index(into), vh_ring.index(into), slot2, offs_t < left - (STAGES - 1) * BN, kvh,
+                            offs_w, stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64, BITS_K, BITS_V)
                 ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot1, offs_t < left - BN,
                                                       kvh, stride_kss, stride_ksh, stride_kzs, stride_kzh,
                                                       stride_vss, stride_vsh, stride_vzs, stride_vzh, mk, mv, OFF64, META_FP8)
@@ -417,8 +435,9 @@ def _decode_rows_async_kernel(
             else:  # statement for statement as before LEAN: sharing the calls above moves LLVM's schedule of the
                 # default kernel (its sm_90 SASS changes); merge the branches once LEAN is measured and settled
                 ahead = start + (STAGES - 1) * BN + offs_t
-                _issue_tile(K_WORDS, V_WORDS, k_ring.index(into), v_ring.index(into), slot2, ahead < hi, kvh,
-                            offs_w, stride_kws, stride_kwh, stride_vws, stride_vwh, ROWS, OFF64)
+                _issue_tile(K_WORDS, V_WORDS, K_HI, V_HI, k_ring.index(into), v_ring.index(into),
+                            kh_ring.index(into), vh_ring.index(into), slot2, ahead < hi, kvh, offs_w, stride_kws,
+                            stride_kwh, stride_vws, stride_vwh, ROWS, OFF64, BITS_K, BITS_V)
                 nxt = start + BN + offs_t
                 ks_n, kz_n, vs_n, vz_n = _tile_scales(K_SCALE, K_ZERO, V_SCALE, V_ZERO, slot1, nxt < hi, kvh,
                                                       stride_kss, stride_ksh, stride_kzs, stride_kzh, stride_vss,
@@ -460,6 +479,17 @@ def _decode_rows_async_kernel(
                 qc = mma_v2(k5, q5, qc)
                 qc = mma_v2(k6, q6, qc)
                 qc = mma_v2(k7, q7, qc)
+                if BITS_K == 4:  # c = lo + 4 hi: the high plane's dots from their own magic start, times 4
+                    h0, h1, h2, h3, h4, h5, h6, h7 = word_planes_magic(kh_ring.index(stage).load(A_OP))
+                    qh = mma_v2(h0, q0, s_init)
+                    qh = mma_v2(h1, q1, qh)
+                    qh = mma_v2(h2, q2, qh)
+                    qh = mma_v2(h3, q3, qh)
+                    qh = mma_v2(h4, q4, qh)
+                    qh = mma_v2(h5, q5, qh)
+                    qh = mma_v2(h6, q6, qh)
+                    qh = mma_v2(h7, q7, qh)
+                    qc = qc + 4.0 * qh
                 if LEAN:
                     s = qc * ksf + (kzf * kz_q + tail)
                 else:
@@ -534,14 +564,26 @@ def _decode_rows_async_kernel(
                 al = gl.expand_dims(alpha, 0)
                 v0, v1, v2, v3, v4, v5, v6, v7 = word_planes_magic(v_ring.index(stage).permute((1, 0)).load(A_OP))
                 zero = gl.zeros([W, BLOCK_H], gl.float32, MMA)
-                a0 = a0 * al + (mma_v2(v0, pb, zero) - off_t)
-                a1 = a1 * al + (mma_v2(v1, pb, zero) - off_t)
-                a2 = a2 * al + (mma_v2(v2, pb, zero) - off_t)
-                a3 = a3 * al + (mma_v2(v3, pb, zero) - off_t)
-                a4 = a4 * al + (mma_v2(v4, pb, zero) - off_t)
-                a5 = a5 * al + (mma_v2(v5, pb, zero) - off_t)
-                a6 = a6 * al + (mma_v2(v6, pb, zero) - off_t)
-                a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
+                if BITS_V == 4:  # c = lo + 4 hi: the high plane's products (less their own magic offset) times 4
+                    w0, w1, w2, w3, w4, w5, w6, w7 = word_planes_magic(
+                        vh_ring.index(stage).permute((1, 0)).load(A_OP))
+                    a0 = a0 * al + ((mma_v2(v0, pb, zero) - off_t) + 4.0 * (mma_v2(w0, pb, zero) - off_t))
+                    a1 = a1 * al + ((mma_v2(v1, pb, zero) - off_t) + 4.0 * (mma_v2(w1, pb, zero) - off_t))
+                    a2 = a2 * al + ((mma_v2(v2, pb, zero) - off_t) + 4.0 * (mma_v2(w2, pb, zero) - off_t))
+                    a3 = a3 * al + ((mma_v2(v3, pb, zero) - off_t) + 4.0 * (mma_v2(w3, pb, zero) - off_t))
+                    a4 = a4 * al + ((mma_v2(v4, pb, zero) - off_t) + 4.0 * (mma_v2(w4, pb, zero) - off_t))
+                    a5 = a5 * al + ((mma_v2(v5, pb, zero) - off_t) + 4.0 * (mma_v2(w5, pb, zero) - off_t))
+                    a6 = a6 * al + ((mma_v2(v6, pb, zero) - off_t) + 4.0 * (mma_v2(w6, pb, zero) - off_t))
+                    a7 = a7 * al + ((mma_v2(v7, pb, zero) - off_t) + 4.0 * (mma_v2(w7, pb, zero) - off_t))
+                else:
+                    a0 = a0 * al + (mma_v2(v0, pb, zero) - off_t)
+                    a1 = a1 * al + (mma_v2(v1, pb, zero) - off_t)
+                    a2 = a2 * al + (mma_v2(v2, pb, zero) - off_t)
+                    a3 = a3 * al + (mma_v2(v3, pb, zero) - off_t)
+                    a4 = a4 * al + (mma_v2(v4, pb, zero) - off_t)
+                    a5 = a5 * al + (mma_v2(v5, pb, zero) - off_t)
+                    a6 = a6 * al + (mma_v2(v6, pb, zero) - off_t)
+                    a7 = a7 * al + (mma_v2(v7, pb, zero) - off_t)
             stage = (stage + 1) % STAGES
         async_copy.wait_group(0)  # nothing left in flight when the program ends
         inv_l, lse = finish_split(m_i, l_i)
@@ -608,5 +650,5 @@ def launch(q_rot, cache, index, part_o, part_lse, num_exact, *, block_h: int, op
         BLOCK_H=max(block_h, 8) if options.movmatrix else block_h, OFF64=cache.off64,
         PER_SEQ_EXACT=index.num_exact is not None, STAGES=options.num_stages or STAGES, Q8=options.int8_scores,
         V8=options.int8_values, LEAN=options.lean_tiles, FUSED=options.fused_update, MOVM=options.movmatrix,
-        META_FP8=cache.fp8, num_warps=1, **cap,
+        META_FP8=cache.fp8, BITS_K=cache.k.bits, BITS_V=cache.v.bits, num_warps=1, **cap,
     )

@@ -377,19 +377,20 @@ def test_decode_fp8_metadata(path):
     assert rel_err(out, ref) <= MAX_REL
 
 
-WIDTH_CASES = [("rows", (4, 2)), ("rows", (2, 4)), ("rows", (4, 4)), ("general-row", (4, 2)),
-               ("general-groups", (4, 4)), ("general-ptx", (4, 2)), ("default", (2, 4))]
-"""4-bit keys, values or both through the row-scale Triton kernel, the general one at row scales and at 32-element
-groups, with the PTX unpack on the other kind's 2-bit codes, and the default path (on CUDA the Gluon kernel, which
-reads 2-bit codes only, hands a 4-bit layer to the Triton one)."""
+WIDTH_CASES = [("rows", (4, 2)), ("rows", (2, 4)), ("rows", (4, 4)), ("rows-gluon", (4, 2)), ("rows-gluon", (2, 4)),
+               ("rows-gluon", (4, 4)), ("rows-gluon-3", (4, 4)), ("general-row", (4, 2)), ("general-groups", (4, 4)),
+               ("general-ptx", (4, 2)), ("default", (4, 2))]
+"""4-bit keys, values or both through the row-scale Triton kernel, the Gluon one (each high plane in its own
+``cp.async`` ring; two stages, and three under the large-batch register cap), the general one at row scales and at 32-element groups, with the PTX unpack
+on the other kind's 2-bit codes, and the default path (on CUDA the Gluon kernel)."""
 
 
 @pytest.mark.parametrize("path,bits", WIDTH_CASES)
 def test_decode_four_bit_layers(path, bits):
     """A layer allocated 4-bit keys and/or values (two 2-bit code planes, code = lo + 4 hi, 15 steps per scale)
     against the reference: every split kernel reads both planes. int8 options on such a layer are refused."""
-    if path == "general-ptx" and not ON_GPU:
-        pytest.skip("the PTX unpack runs on CUDA only")
+    if path.startswith(("general-ptx", "rows-gluon")) and not ON_GPU:
+        pytest.skip("the PTX unpack and the Gluon kernel run on CUDA only")
     d, gqa = 128, 4
     g = 32 if path == "general-groups" else d
     gen = torch.Generator().manual_seed(sum(bits) + len(path))
@@ -397,15 +398,21 @@ def test_decode_four_bit_layers(path, bits):
     assert (lists.cache.k.bits, lists.cache.v.bits) == bits
     q = (torch.randn(len(INT2_LENS), HKV * gqa, d, generator=gen) * 2).to(DEVICE, torch.bfloat16)
     index = lists.index(SPLITS, MAX_SPLITS)
-    kw = {} if path == "default" else {"row_kernel": path == "rows",
-                                       "launch": DecodeLaunch(ptx_unpack=path == "general-ptx", async_tiles=False)}
+    if path == "default":
+        kw = {}
+    elif path.startswith("rows-gluon"):
+        kw = {"row_kernel": True, "launch": DecodeLaunch(async_tiles=True),
+              "options": DecodeOptions(num_stages=3, max_registers=168) if path.endswith("-3") else DecodeOptions()}
+    else:
+        kw = {"row_kernel": path == "rows",
+              "launch": DecodeLaunch(ptx_unpack=path == "general-ptx", async_tiles=False)}
     out = _decode_poisoned(q, lists, index, **kw)
     ref = decode_int2_ref(q, lists.cache, index)
     torch.testing.assert_close(out, ref, **TOL)
     assert rel_err(out, ref) <= MAX_REL
     two = make_cache(INT2_LENS, BF16_LENS, HKV, d, g, torch.Generator().manual_seed(sum(bits) + len(path)))
     assert rel_err(decode_int2_ref(q, two.cache, index), ref) > 10 * MAX_REL  # the 4-bit codes change the answer
-    with pytest.raises(ValueError, match="reads 2-bit codes"):
+    with pytest.raises(ValueError, match="read 2-bit codes only"):
         decode_int2(q, lists.cache, index, options=INT8_SCORES)
 
 

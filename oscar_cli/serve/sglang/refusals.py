@@ -221,8 +221,8 @@ def model_refusals(manifest: Any, facts: ModelFacts, tp_size: int = 1, load_form
 
 
 def decode_refusal(scheme: Any, options: Any) -> str | None:
-    """Why the decode ``options`` cannot read the artifact's ``scheme``, or None: the int8 variants live in the Gluon
-    split kernel, which reads 2-bit codes, and an allocation's 4-bit layers run the Triton one."""
+    """Why the decode ``options`` cannot read the artifact's ``scheme``, or None: the int8 variants take their
+    operands from one 2-bit code plane, and an allocation's 4-bit layers have two."""
     four = [w for w in (scheme.bits, *scheme.bits_k, *scheme.bits_v) if w == 4]
     if four and not options.exact:
         return (f"decode options {options.describe()} need 2-bit codes in every layer and the scheme "
