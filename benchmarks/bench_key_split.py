@@ -163,14 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     def cov(layer: int, head: int, kind: str) -> torch.Tensor:
         return torch.as_tensor(stats[(layer, head, kind)][2], dtype=torch.float64)
 
-    rows, ref = [], None
+    rows = []
 
     def add(label: str, bits: float, clips: str, quants) -> None:
-        nonlocal ref
         attention.install(model, quants, art.scheme)
         prep = Prepared(oscar, art.scheme, quants, art.name)
         ppl = {name: perplexity(model, seg, prep) for name, seg in segs.items()}
-        ref = ref or ppl
         rows.append([label, f"{bits:.3f}", clips, *(f"{ppl[n]:.3f} (x{ppl[n] / ref[n]:.3f})" for n in segs)])
         print(rows[-1], flush=True)
 
@@ -178,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     prep = prepare(model, mb, scheme_for(mb, d))
     ref = {name: perplexity(model, seg, prep) for name, seg in segs.items()}
     rows.append(["bf16", "16", "", *(f"{ref[n]:.3f} (x1.000)" for n in segs)])
-    u_bits = bits_per_element(2, group, 16)
-    add("OSCAR uniform INT2 (K and V), fp8 scales, each layer's own clips", u_bits, "fitted", uniform)
+    add("OSCAR uniform INT2 (K and V), fp8 scales, each layer's own clips", v_bits, "fitted", uniform)
     his = [float(c) for c in args.clips_hi.split(",")]
     los = [float(c) for c in args.clips_lo.split(",")]
     kl_table = []
@@ -189,16 +186,16 @@ def main(argv: list[str] | None = None) -> int:
                 for i, q in enumerate(uniform) if q is not None}
         quants = [None if q is None else dataclasses.replace(q, r_k=rots[i], center_k=None, levels_k=None)
                   for i, q in enumerate(uniform)]
-        splits, kl = {}, {}
+        # one rotation tensor per clip pair, so one KL pass (one exact reference) scores every pair
+        configs, splits = {}, {}
         for pair in ((hi, lo) for hi in his for lo in los):
-            splits.clear()
-            splits.update({id(q.r_k): Split(m, *pair) for q in quants if q is not None})
-            with split_keys(splits):
-                kl[pair] = logit_kl(model, cal, {pair: quants}, art.scheme)[pair]
+            configs[pair] = [None if q is None else dataclasses.replace(q, r_k=q.r_k.clone()) for q in quants]
+            splits.update({id(q.r_k): Split(m, *pair) for q in configs[pair] if q is not None})
+        with split_keys(splits):
+            kl = logit_kl(model, cal, configs, art.scheme)
         best = min(kl, key=kl.get)
         kl_table.append([f"{m}{' (least energy)' if least else ''}", *(f"{hi}/{lo}: {kl[(hi, lo)]:.4f}" for hi, lo in kl)])
-        splits.clear()
-        splits.update({id(q.r_k): Split(m, *best) for q in quants if q is not None})
+        quants = configs[best]
         k_bits = (m * 4 + (d - m) * 2 + 2 * 16) / d
         with split_keys(splits):
             which = "least" if least else "most"
