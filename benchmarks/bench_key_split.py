@@ -38,31 +38,7 @@ from pathlib import Path
 import torch
 
 from oscar_cli.results_md import append_section, markdown_table
-
-
-def split_rotation(cq: torch.Tensor, ck: torch.Tensor, m: int, least: bool = False) -> torch.Tensor:
-    """float64 ``[d, d]``: columns ``:m`` mix the ``m`` directions of the largest ``λ_i σ_i²`` (C_Q's eigenbasis
-    anchored on the keys' offset, ``σ_i²`` the keys' second moment along it), columns ``m:`` the others, the offset
-    first; each block by its own bit-reversal placement and normalised Hadamard (:func:`oscar_cli.rotation.compose`
-    restricted to the block). ``least``: the control, the ``m`` directions of the *smallest* energy in the 4-bit
-    block instead."""
-    from oscar_cli import rotation as rot
-
-    lam, u = rot.anchored_eigh(ck, cq)
-    energy = lam * torch.einsum("di,de,ei->i", u, ck, u)
-    energy[0] = torch.inf if least else -torch.inf  # the offset stays in the 2-bit block
-    order = torch.argsort(energy, descending=not least)
-    top, low = order[:m], order[m:]
-    low = torch.cat([low[low == 0], low[low != 0][torch.argsort(lam[low[low != 0]], descending=True)]])
-    top = top[torch.argsort(lam[top], descending=True)]
-    d = cq.shape[0]
-    r = torch.zeros(d, d, dtype=torch.float64)
-    for cols, idx in ((slice(0, m), top), (slice(m, d), low)):
-        n = len(idx)
-        if n == 0:
-            continue
-        r[:, cols] = u[:, idx] @ rot.placement(n) @ rot.mixing_matrix(n, n)[0]
-    return r
+from oscar_cli.rotation import split_rotation
 
 
 @dataclasses.dataclass

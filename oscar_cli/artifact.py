@@ -8,7 +8,9 @@ An artifact is a folder ``<root>/<model-slug>/v<N>/`` holding
   data-free methods); with fp8 scales (``scheme.scale_dtype``), ``mult_k``, ``mult_v`` ``[n, kv_heads]`` the
   power-of-two multipliers the scales and zeros are stored in units of; with ``scheme.center_keys``, ``center_k``
   ``[n, kv_heads, d]`` the key centers (model basis); with ``scheme.levels == "fitted"``, ``levels_k``, ``levels_v``
-  ``[n, kv_heads, 4]``;
+  ``[n, kv_heads, 4]``; with split key rows (``scheme.split_k``), ``clip_k_hi`` ``[n, h]`` the 4-bit parts' clip
+  ratios (``clip_k`` holds the 2-bit parts') and, with fp8 scales, ``mult_k_hi`` ``[n, kv_heads]``; a split layer's
+  ``r_k`` is its split rotation (:func:`oscar_cli.rotation.split_rotation`), 1 in the rows of layers not split;
 * ``manifest.json`` (:class:`Manifest`, schema version 3): model fingerprint, run id, stats and data digests, fit
   method, the quant scheme (:class:`oscar_kernels.scheme.QuantScheme`), code version (package version + git commit),
   created, fit-time metrics and ``content_hash`` (:func:`content_digest`: sha256 over ``rotations.safetensors`` and
@@ -124,7 +126,7 @@ class Manifest:
                 code_version=str(d.get("code_version", "")), content_hash=str(d.get("content_hash", "")),
                 schema_version=int(version),
             )
-            consistent = scheme.group == scheme.group_for(shape.head_dim) and bool(m.layers) \
+            consistent = scheme.group == scheme.check_split(shape.head_dim) and bool(m.layers) \
                 and all(0 <= i < shape.n_layers for i in m.layers)
         except SchemeError as e:
             raise ArtifactError(f"{e}; re-run `oscar fit`") from None
@@ -154,6 +156,8 @@ class LayerRotation:
     center_k: torch.Tensor | None = None
     levels_k: torch.Tensor | None = None
     levels_v: torch.Tensor | None = None
+    clip_k_hi: torch.Tensor | None = None
+    mult_k_hi: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -191,7 +195,7 @@ class Artifact:
         i = layers.index(idx)
         t = self.tensors
         extra = {k: t[k][i].float() if k in t else None
-                 for k in ("mult_k", "mult_v", "center_k", "levels_k", "levels_v")}
+                 for k in ("mult_k", "mult_v", "center_k", "levels_k", "levels_v", "clip_k_hi", "mult_k_hi")}
         return LayerRotation(t["r_k"][i], t["r_v"][i], t["clip_k"][i], t["clip_v"][i], **extra)
 
 
@@ -298,6 +302,18 @@ def _check_tensors(tensors: dict[str, torch.Tensor], m: Manifest, where) -> None
             raise ArtifactError(f"{where}: the scheme has fitted levels but the tensors lack "
                                 f"{', '.join(sorted(missing))}; re-run `oscar fit`")
         want.update(levels_k=(n, hkv, 4), levels_v=(n, hkv, 4))
+    if m.scheme.split:
+        need = {"clip_k_hi"} | ({"mult_k_hi"} if m.scheme.scale_dtype == "fp8" else set())
+        missing = need - set(tensors)
+        if missing:
+            raise ArtifactError(f"{where}: the scheme splits key rows but the tensors lack "
+                                f"{', '.join(sorted(missing))}; re-run `oscar fit`")
+        want["clip_k_hi"] = (n, h)
+        if "mult_k_hi" in need:
+            want["mult_k_hi"] = (n, hkv)
+        if len(m.scheme.split_k) != m.shape.n_layers:
+            raise ArtifactError(f"{where}: the scheme splits key rows of {len(m.scheme.split_k)} layers, the model "
+                                f"has {m.shape.n_layers}; re-run `oscar fit`")
     if m.scheme.bits_k and len(m.scheme.bits_k) != m.shape.n_layers:
         raise ArtifactError(f"{where}: the scheme allocates widths for {len(m.scheme.bits_k)} layers, the model has "
                             f"{m.shape.n_layers}; re-run `oscar fit`")

@@ -36,12 +36,15 @@ from .errors import OscarError
 from .kvquant import LayerQuant, dequantize_rows, quantize_rows, quantized_count
 from .methods import Method, hf_backend
 from .models import attention_shape
-from .quantizer import QuantizedRows
+from .quantizer import QuantizedRows, SplitRows
 
 
-def _cat_rows(a: QuantizedRows | None, b: QuantizedRows) -> QuantizedRows:
+def _cat_rows(a, b):
+    """Rows ``a`` (None: none yet) then ``b`` along the token axis: :class:`QuantizedRows` or split key rows."""
     if a is None:
         return b
+    if isinstance(b, SplitRows):
+        return SplitRows(_cat_rows(a.hi, b.hi), _cat_rows(a.lo, b.lo))
     mult = b.mult
     if a.mult is not None and b.mult is not None and not torch.equal(a.mult, b.mult):
         # FP8 multipliers taken from each write's rows: keep one per group from here on

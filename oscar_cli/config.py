@@ -100,7 +100,10 @@ class FitConfig:
     sequence length at which the budget is met in bytes (a sliding-window layer holds at most its window of it).
     ``clip_criterion``: ``layer-local`` (the clips each layer's metric picks) or ``logit-kl`` (those clips scaled by
     the factor of ``clip_scale_grid`` with the least final-logit KL on calibration text; needs the sensitivity
-    pass)."""
+    pass). ``key_split``: with a budget, a third choice for each layer's keys beside 2 and 4 bits: the row split into
+    its ``key_split`` most-read rotated directions at 4 bits and the rest at 2 (:func:`oscar_cli.rotation.
+    split_rotation`; 0: not offered), its (4-bit, 2-bit) clip pair the one of ``split_clips_hi`` x ``split_clips_lo``
+    with the least final-logit KL on calibration text, every layer's keys split."""
 
     method: str = "oscar"
     layers: str = "all"
@@ -115,8 +118,22 @@ class FitConfig:
     context: int = 32768
     clip_criterion: str = "layer-local"
     clip_scale_grid: tuple[float, ...] = (0.9, 1.0, 1.1, 1.2, 1.35, 1.5, 2.0)
+    key_split: int = 0
+    split_clips_hi: tuple[float, ...] = (0.9, 1.0)
+    split_clips_lo: tuple[float, ...] = (0.55, 0.6, 0.65, 0.7)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.key_split, int) or isinstance(self.key_split, bool) or self.key_split < 0 \
+                or self.key_split % 4:
+            raise ConfigError(f"key_split must be 0 (off) or a positive multiple of 4 key channels, got "
+                              f"{self.key_split!r}")
+        if self.key_split and (self.bits_per_element is None or self.sensitivity_tokens <= 0):
+            raise ConfigError("key_split is a choice of the budgeted allocation: give bits_per_element (e.g. 2.5) and "
+                              "sensitivity_tokens (e.g. 1024) with it")
+        for name in ("split_clips_hi", "split_clips_lo"):
+            v = getattr(self, name)
+            if not v or any(not 0 < c <= 1 for c in v):
+                raise ConfigError(f"{name} values must lie in (0, 1]")
         if self.bits_per_element is not None and not 1 < self.bits_per_element <= 16:
             raise ConfigError(f"bits_per_element must lie in (1, 16] bits per quantized element, got "
                               f"{self.bits_per_element}")
@@ -144,7 +161,8 @@ class FitConfig:
     def without_model_pass(self) -> FitConfig:
         """These settings without anything that runs the model at fit time: no sensitivity pass, no budget,
         the layer-local clips."""
-        return dataclasses.replace(self, sensitivity_tokens=0, bits_per_element=None, clip_criterion="layer-local")
+        return dataclasses.replace(self, sensitivity_tokens=0, bits_per_element=None, clip_criterion="layer-local",
+                                   key_split=0)
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:
@@ -374,7 +392,7 @@ def _build(cls, section: dict[str, Any], where: str):
         if cls is FitConfig:
             if "scheme" in kwargs:
                 kwargs["scheme"] = QuantScheme.from_dict(kwargs["scheme"] or {}, f"{where}.scheme")
-            for name in ("clip_grid", "clip_scale_grid"):
+            for name in ("clip_grid", "clip_scale_grid", "split_clips_hi", "split_clips_lo"):
                 if name in kwargs:
                     kwargs[name] = tuple(float(c) for c in kwargs[name])
         return cls(**kwargs)

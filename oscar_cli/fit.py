@@ -51,7 +51,9 @@ class LayerData:
 class LayerFit:
     """One layer's fit. ``clips``: ``{width: (clip_k, clip_v)}`` (``[h]`` float64 each) as fitted for every width;
     ``clip_scale``: the (key, value) factors the base width's clips are scaled by (capped at 1) where a criterion
-    other than the layer-local one chose them; :meth:`clips_at` gives the clips in effect."""
+    other than the layer-local one chose them; :meth:`clips_at` gives the clips in effect. ``r_split``: the split key
+    rotation ``[h, d, d]`` (``cfg.key_split`` 4-bit directions first; None without); ``split_clips``: its (4-bit,
+    2-bit) clip pair, chosen for all layers at once (:func:`oscar_cli.jobs.choose_split_clips`)."""
 
     r_k: torch.Tensor  # [h, d, d] float64
     r_v: torch.Tensor
@@ -64,6 +66,9 @@ class LayerFit:
     center_k: torch.Tensor | None = None  # [H, d] float64, with the scheme's center_keys
     tables: dict = field(default_factory=dict)  # {width: (levels_k, levels_v)} [H, 2**width], fitted levels
     clip_scale: tuple[float, float] = (1.0, 1.0)
+    r_split: torch.Tensor | None = None
+    split: int = 0
+    split_clips: tuple[float, float] | None = None
 
     def clips_at(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(clip_k, clip_v) in effect at ``width``."""
@@ -230,6 +235,14 @@ def fit_rotations(data: LayerData, rotation: Rotation, group: int, per_head: boo
     return r_k, r_v, e_k, e_v
 
 
+def split_rotations(data: LayerData, m: int, per_head: bool) -> torch.Tensor:
+    """The split key rotations of one layer (:func:`oscar_cli.rotation.split_rotation` of each KV head's C_Q and C_K,
+    or of their means when the rotation is shared): float64 ``[h, d, d]``."""
+    if per_head:
+        return torch.stack([rot.split_rotation(q, k, m) for q, k in zip(data.cq, data.ck, strict=True)])
+    return rot.split_rotation(data.cq.mean(0), data.ck.mean(0), m)[None]
+
+
 def spectrum_summary(evals: torch.Tensor) -> dict:
     """Concentration of a descending spectrum ``[d]``: energy in the top d/8 directions, effective rank."""
     e = evals.double().clamp_min(0)
@@ -307,6 +320,7 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int, widths: tuple[int,
         "orthogonality_error": max(rot.orthogonality_error(m) for m in (*r_k, *r_v)),
         "held_out_rows": int(held.k_rows.shape[0]),
     })
+    r_split = split_rotations(data, cfg.key_split, cfg.per_head) if cfg.key_split else None
     if len(clips) > 1:
         metrics["distortion_by_width"] = {
             str(bits): {kind: held_out(kind, r_k if kind == "k" else r_v, clips[bits][0 if kind == "k" else 1], bits,
@@ -314,7 +328,8 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int, widths: tuple[int,
                         for kind in ("k", "v")}
             for bits in clips
         }
-    return LayerFit(r_k, r_v, e_k, e_v, q.bits, clips, metrics, data, center, tables)
+    return LayerFit(r_k, r_v, e_k, e_v, q.bits, clips, metrics, data, center, tables, r_split=r_split,
+                    split=cfg.key_split)
 
 
 def layer_multipliers(f: LayerFit, bits_k: int, bits_v: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,15 +339,31 @@ def layer_multipliers(f: LayerFit, bits_k: int, bits_v: int, group: int) -> tupl
             meta_multipliers(f.data.v_rows, f.r_v, f.clips_at(bits_v)[1], bits_v, group))
 
 
+def split_multipliers(f: LayerFit, clips: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 metadata multipliers ``[H]`` of a fitted layer's split key rows at the (4-bit, 2-bit) ``clips``: (4-bit
+    part, 2-bit part), over all its rows."""
+    k = f.data.k_rows if f.center_k is None else f.data.k_rows - f.center_k
+    m, d = f.split, f.r_split.shape[-1]
+    one = torch.ones(1, dtype=torch.float64)
+    return (meta_multipliers(k, f.r_split[..., :m], one * clips[0], 4, m),
+            meta_multipliers(k, f.r_split[..., m:], one * clips[1], 2, d - m))
+
+
 def stack_fits(layers: list[int], fits: list[LayerFit], scheme, group: int) -> dict[str, torch.Tensor]:
     """Artifact tensors (fp32) from per-layer fits: the clip ratios in effect at each layer's widths under
     ``scheme``, and what the scheme stores beside them (key centers, fitted levels, fp8 multipliers)."""
     pairs = list(zip(layers, fits, strict=True))
+
+    def clip_k(i: int, f: LayerFit) -> torch.Tensor:
+        if scheme.split_of(i):
+            return torch.full_like(f.clip_k, f.split_clips[1])
+        return f.clips_at(scheme.width(i, "k"))[0]
+
     out = {
         "layers": torch.tensor(layers, dtype=torch.int64),
-        "r_k": torch.stack([f.r_k for f in fits]).float(),
+        "r_k": torch.stack([f.r_split if scheme.split_of(i) else f.r_k for i, f in pairs]).float(),
         "r_v": torch.stack([f.r_v for f in fits]).float(),
-        "clip_k": torch.stack([f.clips_at(scheme.width(i, "k"))[0] for i, f in pairs]).float(),
+        "clip_k": torch.stack([clip_k(i, f) for i, f in pairs]).float(),
         "clip_v": torch.stack([f.clips_at(scheme.width(i, "v"))[1] for i, f in pairs]).float(),
         "eig_k": torch.stack([f.eig_k for f in fits]).float(),
         "eig_v": torch.stack([f.eig_v for f in fits]).float(),
@@ -347,4 +378,17 @@ def stack_fits(layers: list[int], fits: list[LayerFit], scheme, group: int) -> d
         mults = [layer_multipliers(f, scheme.width(i, "k"), scheme.width(i, "v"), group) for i, f in pairs]
         out["mult_k"] = torch.stack([m[0] for m in mults])
         out["mult_v"] = torch.stack([m[1] for m in mults])
+    if scheme.split:
+        # the split layers' 4-bit parts (1 in the rows of layers not split); their 2-bit parts' are clip_k / mult_k
+        out["clip_k_hi"] = torch.stack([torch.full_like(f.clip_k, f.split_clips[0] if scheme.split_of(i) else 1.0)
+                                        for i, f in pairs]).float()
+        if scheme.scale_dtype == "fp8":
+            hi = []
+            for j, (i, f) in enumerate(pairs):
+                if scheme.split_of(i):
+                    m_hi, out["mult_k"][j] = split_multipliers(f, f.split_clips)
+                    hi.append(m_hi)
+                else:
+                    hi.append(torch.ones_like(out["mult_k"][j]))
+            out["mult_k_hi"] = torch.stack(hi)
     return out

@@ -77,6 +77,20 @@ def check_budget(cfg: FitConfig, head_dim: int) -> None:
     if _widths(cfg, head_dim) and cfg.sensitivity_tokens <= 0:
         raise art.ArtifactError("an allocation above the uniform width needs the sensitivity pass; pass "
                                 "--sensitivity-tokens N (e.g. 1024)")
+    if cfg.key_split:
+        import dataclasses
+
+        q = cfg.scheme
+        if q.bits != 2 or q.levels != "uniform":
+            raise art.ArtifactError(f"--key-split splits 2-bit key rows with uniform levels; the scheme has {q.bits}-bit "
+                                    f"{q.levels} codes: drop --key-split or use --bits 2 --levels uniform")
+        try:
+            dataclasses.replace(q, split_k=(cfg.key_split,), bits_k=(), bits_v=()).check_split(head_dim)
+        except SchemeError as e:
+            raise art.ArtifactError(f"--key-split {cfg.key_split}: {e}") from None
+        if not _widths(cfg, head_dim):
+            raise art.ArtifactError(f"--key-split needs a budget above the uniform cost of {least:g} bits per element "
+                                    "to spend on split keys; raise --bits-per-element")
 
 
 def fit_model_spec(store: Store, run: Run, cfg: FitConfig) -> str:
@@ -123,6 +137,60 @@ def _layer_quants(f: LayerFit, q, group: int) -> dict:
     return out
 
 
+def split_quant(f: LayerFit, q, group: int, clips: tuple[float, float]):
+    """A :class:`~oscar_cli.kvquant.LayerQuant` of one fitted layer with its keys split (``f.split`` 4-bit directions,
+    the (4-bit, 2-bit) ``clips``) and its values exact: what the split clip choice and the split KL score."""
+    from .fit import layer_multipliers, split_multipliers
+    from .kvquant import EXACT, LayerQuant
+
+    h = f.r_split.shape[0]
+    mk_hi = mk = mv = None
+    if q.scale_dtype == "fp8":
+        mk_hi, mk = (m.float() for m in split_multipliers(f, clips))
+        mv = layer_multipliers(f, 2, 2, group)[1]
+    return LayerQuant(2, EXACT, group, f.r_split.float(), f.r_v.float(), torch.full((h,), clips[1]),
+                      f.clips_at(2)[1].float(), meta=q.scale_dtype, mult_k=mk, mult_v=mv,
+                      center_k=None if f.center_k is None else f.center_k.float(), split_k=f.split,
+                      clip_k_hi=torch.full((h,), clips[0]), mult_k_hi=mk_hi)
+
+
+def choose_split_clips(model, segments, cfg: FitConfig, layers: list[int], fits: list[LayerFit], group: int,
+                       progress: Callable[[], None] | None = None) -> dict:
+    """The (4-bit, 2-bit) clip pair of split key rows: the pair of ``cfg.split_clips_hi`` x ``cfg.split_clips_lo``
+    with the least final-logit KL on calibration text, every fitted layer's keys split (values exact). One pair for
+    all layers: the layer-local key error hardly moves with the split (benchmarks/NOTES.md), the logits do. Sets
+    ``split_clips`` on ``fits``; returns the choice and the curve."""
+    from .sensitivity import logit_kl
+
+    n_layers = model.config.num_hidden_layers
+    configs = {}
+    for pair in ((hi, lo) for hi in cfg.split_clips_hi for lo in cfg.split_clips_lo):
+        quants: list = [None] * n_layers
+        for layer, f in zip(layers, fits, strict=True):
+            quants[layer] = split_quant(f, cfg.scheme, group, pair)
+        configs[pair] = quants
+    kl = logit_kl(model, segments, configs, cfg.scheme, progress=progress)
+    best = min(kl, key=kl.get)
+    for f in fits:
+        f.split_clips = best
+    return {"clips": list(best), "curve": [[hi, lo, v] for (hi, lo), v in kl.items()]}
+
+
+def measure_split(model, segments, cfg: FitConfig, layers: list[int], fits: list[LayerFit], group: int,
+                  progress: Callable[[], None] | None = None) -> dict[int, float]:
+    """Final-logit KL per token with each fitted layer's keys split alone (at its ``split_clips``), every other part
+    exact: the allocation's loss for choosing split keys in that layer."""
+    from .sensitivity import logit_kl
+
+    n_layers = model.config.num_hidden_layers
+    configs = {}
+    for layer, f in zip(layers, fits, strict=True):
+        one: list = [None] * n_layers
+        one[layer] = split_quant(f, cfg.scheme, group, f.split_clips)
+        configs[layer] = one
+    return logit_kl(model, segments, configs, cfg.scheme, progress=progress)
+
+
 def choose_clip_scale(model, segments, cfg: FitConfig, layers: list[int], fits: list[LayerFit], group: int,
                       progress: Callable[[], None] | None = None) -> dict:
     """Scale every layer's fitted clip ratios at the base width (keys, then values; capped at 1) by the factor of
@@ -160,8 +228,10 @@ def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int
                         progress: Callable[[int, int], None] | None = None):
     """Load the run's model and score ``cfg.sensitivity_tokens`` calibration tokens: with ``cfg.clip_criterion``
     ``logit-kl``, first the clip scale (:func:`choose_clip_scale`, applied to ``fits``), then each fitted layer's K or
-    V quantized alone (:func:`oscar_cli.sensitivity.measure`). Returns (sensitivity, rows each layer holds at
-    ``cfg.context``, the clip-scale report or None)."""
+    V quantized alone (:func:`oscar_cli.sensitivity.measure`); with ``cfg.key_split``, the split clip pair
+    (:func:`choose_split_clips`) and each layer's keys split alone (:func:`measure_split`). Returns (sensitivity, rows
+    each layer holds at ``cfg.context``, the clip-scale report or None)."""
+    import dataclasses
     import itertools
 
     from . import data as data_mod
@@ -182,6 +252,13 @@ def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int
                                   progress=None if progress is None else lambda: progress(next(done), steps))
     quants = {layer: _layer_quants(f, q, group) for layer, f in zip(layers, fits, strict=True)}
     sens = measure(loaded.model, segments, quants, q, progress=progress)
+    if cfg.key_split:
+        steps = len(cfg.split_clips_hi) * len(cfg.split_clips_lo) + len(layers)
+        done = itertools.count(1)
+        tick = None if progress is None else lambda: progress(next(done), steps)
+        choice = choose_split_clips(loaded.model, segments, cfg, layers, fits, group, tick)
+        sens = dataclasses.replace(sens, split=cfg.key_split, split_clips=tuple(choice["clips"]),
+                                   kl_split=measure_split(loaded.model, segments, cfg, layers, fits, group, tick))
     return sens, layer_tokens(loaded.model.config, cfg.context), scale
 
 
@@ -226,6 +303,12 @@ def run_fit(
                 f.clip_scale = (scale["k"], scale["v"])
         else:
             sens, tokens, scale = measured or measure_sensitivity(store, run, cfg, layers, fits, sensitivity_progress)
+        if sens.split:
+            if sens.split != cfg.key_split:
+                raise art.ArtifactError(f"the sensitivity measured {sens.split}-channel split keys, the fit asks for "
+                                        f"{cfg.key_split}; measure again")
+            for f in fits:  # the measured split clip pair (set already when measured just now)
+                f.split_clips = sens.split_clips
         metrics["sensitivity"] = sens.to_dict()
         if scale is not None:
             metrics["clip_scale"] = scale
@@ -233,8 +316,11 @@ def run_fit(
             scheme, _ = allocate_scheme(sens, scheme, shape.head_dim, shape.n_layers, cfg.bits_per_element, tokens)
             metrics["allocation"] = {"budget": cfg.bits_per_element, "context": cfg.context, "layer_tokens": tokens,
                                      "bits_per_element": scheme.bits_per_element(shape.head_dim, layers, tokens),
-                                     "predicted_kl": sum(sens.predicted_kl(i, kind, scheme.width(i, kind))
+                                     "predicted_kl": sum(sens.unit_kl(i, kind, _choice(scheme, i, kind))
                                                          for i in layers for kind in ("k", "v"))}
+            if scheme.split:
+                metrics["allocation"].update(split=sens.split, split_clips=list(sens.split_clips),
+                                             split_layers=[i for i in layers if scheme.split_of(i)])
     manifest = art.Manifest(
         model_slug=run.model_slug, model_fingerprint=run.model_fingerprint, run_id=run.run_id,
         stats_digest=acc.digest(), data_digest=run.data_digest, calibration_tokens=run.tokens, method=cfg.method,
@@ -250,6 +336,13 @@ def run_fit(
         art.remove_artifact(path)
         raise
     return path, manifest
+
+
+def _choice(scheme, layer: int, kind: str):
+    """The allocation's choice for one unit: its width, or split keys."""
+    from .sensitivity import SPLIT
+
+    return SPLIT if kind == "k" and scheme.split_of(layer) else scheme.width(layer, kind)
 
 
 def summarize(per_layer: dict) -> dict:
@@ -284,7 +377,10 @@ def inspect_report(artifact: art.Artifact) -> dict:
             "distortion_v": fm["distortion_v"],
             "bits_k": m.scheme.width(layer, "k"),
             "bits_v": m.scheme.width(layer, "v"),
+            "split_k": m.scheme.split_of(layer),
         })
+        if m.scheme.split_of(layer):
+            layers[-1]["clip_k_hi"] = t["clip_k_hi"][i].tolist()
         sens = m.metrics.get("sensitivity", {}).get("layers", {}).get(str(layer))
         if sens is not None:
             layers[-1]["sensitivity"] = sens

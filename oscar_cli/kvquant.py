@@ -34,7 +34,9 @@ class LayerQuant:
     ``mult_k``/``mult_v`` fp32 ``[h]`` the fitted FP8 multipliers (None: taken from the rows each write);
     ``center_k``: fp32 ``[H, d]`` the key center subtracted before quantizing and added back after (the same as
     centering every key row: softmax ignores the per-query shift), or None; ``levels_k``/``levels_v``: fp32 ``[H, 4]``
-    fitted levels of that kind's 2-bit codes (None: uniform);
+    fitted levels of that kind's 2-bit codes (None: uniform); ``split_k``: the leading rotated key channels stored as
+    4-bit codes, the rest 2-bit (0: not split; ``bits_k`` is then 2), with ``clip_k_hi``/``mult_k_hi`` ``[h]``/``[H]``
+    the 4-bit part's clip and FP8 multiplier (``clip_k``/``mult_k``: the 2-bit part's);
     ``token_block``: tokens quantized together (32 for per-channel keys, else 1) — the quantized region always
     grows by whole blocks. ``decode``: the decode kernel's options; the reference attention emulates their numerics
     (``int8_scores``: the INT2 rows' scores from each query rounded to int8 in the rotated basis,
@@ -58,6 +60,9 @@ class LayerQuant:
     center_k: torch.Tensor | None = None
     levels_k: torch.Tensor | None = None
     levels_v: torch.Tensor | None = None
+    split_k: int = 0
+    clip_k_hi: torch.Tensor | None = None
+    mult_k_hi: torch.Tensor | None = None
 
     @property
     def token_block(self) -> int:
@@ -70,7 +75,8 @@ class LayerQuant:
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return replace(self, r_k=mv(self.r_k), r_v=mv(self.r_v), clip_k=mv(self.clip_k), clip_v=mv(self.clip_v),
                        mult_k=mv(self.mult_k), mult_v=mv(self.mult_v), center_k=mv(self.center_k),
-                       levels_k=mv(self.levels_k), levels_v=mv(self.levels_v))
+                       levels_k=mv(self.levels_k), levels_v=mv(self.levels_v), clip_k_hi=mv(self.clip_k_hi),
+                       mult_k_hi=mv(self.mult_k_hi))
 
 
 def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_dim: int, kv_heads: int,
@@ -82,8 +88,11 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
         return [None] * n_layers
     if method.family == "hf":
         raise MethodError(f"{method.name} is a transformers QuantizedCache; it has no decode-equivalent attention")
-    group = scheme.group_for(head_dim)
+    group = scheme.check_split(head_dim)
     scheme.check_layers(n_layers)
+    if not method.decode.exact and scheme.split:
+        raise MethodError(f"{method.label} emulates the decode kernel's int8 numerics, which read one key group per "
+                          "row; the scheme splits key rows: use oscar")
     if not method.decode.exact and scheme.scale_dtype != "fp16":
         raise MethodError(f"{method.label} emulates the decode kernel's int8 numerics, which read fp16 scales; the "
                           f"scheme stores {scheme.scale_dtype}: use oscar")
@@ -113,15 +122,19 @@ def build_layer_quants(method: Method, scheme: QuantScheme, n_layers: int, head_
             out.append(None)
             continue
         h = lr.r_k.shape[0]
+        split = scheme.split_of(i)
+        ck_hi = lr.clip_k_hi.float() if split else None
         if method.clip is None:
             ck, cv = lr.clip_k.float(), lr.clip_v.float()
         else:
             ck, cv = torch.full((h,), method.clip[0]), torch.full((h,), method.clip[1])
+            ck_hi = ck if split else None
         out.append(LayerQuant(scheme.width(i, "k"), scheme.width(i, "v"), group, lr.r_k.float(), lr.r_v.float(), ck,
                               cv, decode=method.decode, meta=scheme.scale_dtype, mult_k=lr.mult_k, mult_v=lr.mult_v,
                               center_k=lr.center_k if scheme.center_keys else None,
                               levels_k=lr.levels_k if scheme.levels == "fitted" else None,
-                              levels_v=lr.levels_v if scheme.levels == "fitted" else None))
+                              levels_v=lr.levels_v if scheme.levels == "fitted" else None,
+                              split_k=split, clip_k_hi=ck_hi, mult_k_hi=lr.mult_k_hi if split else None))
     return out
 
 
@@ -139,10 +152,11 @@ def data_free_rotation(rotation: Rotation, head_dim: int, group: int) -> torch.T
 # The seam: rotate + quantize + pack rows, and the inverse (the torch reference of oscar_kernels.quantize_pack).
 
 
-def quantize_rows(x: torch.Tensor, lq: LayerQuant, which: str) -> quantizer.QuantizedRows:
+def quantize_rows(x: torch.Tensor, lq: LayerQuant, which: str) -> quantizer.QuantizedRows | quantizer.SplitRows:
     """Rotate, clip, quantize and pack rows. x: float ``[B, H, N, d]`` in the model basis (``N`` a multiple of
     ``lq.token_block`` for per-channel keys). Returns packed rows in the rotated basis: codes uint8
-    ``[B, H, N, d*bits/8]`` (per-channel keys: ``[B, H, N/32, d, 32*bits/8]``), scale/zero per group."""
+    ``[B, H, N, d*bits/8]`` (per-channel keys: ``[B, H, N/32, d, 32*bits/8]``), scale/zero per group; split keys
+    (``lq.split_k``): :class:`~oscar_cli.quantizer.SplitRows`."""
     r, clip = (lq.r_k, lq.clip_k) if which == "k" else (lq.r_v, lq.clip_v)
     bits = lq.width(which)
     if bits == EXACT:
@@ -153,6 +167,11 @@ def quantize_rows(x: torch.Tensor, lq: LayerQuant, which: str) -> quantizer.Quan
         xf = xf - lq.center_k.to(xf.device)[:, None, :]
     if r is not None:
         xf = xf @ r.to(xf.device)
+    if which == "k" and lq.split_k:
+        hi_mult = None if lq.mult_k_hi is None else lq.mult_k_hi.view(-1, 1, 1)
+        return quantizer.quantize_split(xf, lq.split_k, lq.clip_k_hi.to(xf.device).view(-1, 1, 1),
+                                        clip.to(xf.device).view(-1, 1, 1), lq.meta, hi_mult,
+                                        None if mult is None else mult.view(-1, 1, 1))
     if which == "k" and lq.key_axis == "channel":
         b, h, n, d = xf.shape
         xf = xf.view(b, h, n // lq.key_group, lq.key_group, d).transpose(-1, -2)  # [B, H, nb, d, 32]
@@ -165,7 +184,7 @@ def quantize_rows(x: torch.Tensor, lq: LayerQuant, which: str) -> quantizer.Quan
                               None if mult is None else mult.view(-1, 1, 1), table)
 
 
-def dequantize_rows(q: quantizer.QuantizedRows, lq: LayerQuant, which: str) -> torch.Tensor:
+def dequantize_rows(q: quantizer.QuantizedRows | quantizer.SplitRows, lq: LayerQuant, which: str) -> torch.Tensor:
     """Inverse of :func:`quantize_rows`: fp32 ``[B, H, N, d]`` rotated back to the model basis."""
     x = quantizer.dequantize(q)
     if which == "k" and lq.key_axis == "channel":

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from oscar_kernels import FP8_MAX, FP8_MIN_STEP, SCALE_EPS, pack, to_fp8, unpack
 
-__all__ = ["FP8_MAX", "META_HEADROOM", "SCALE_EPS", "QuantizedRows", "bits_per_element", "clip_bounds", "dequantize",
+__all__ = ["FP8_MAX", "META_HEADROOM", "SCALE_EPS", "QuantizedRows", "SplitRows", "bits_per_element", "clip_bounds", "dequantize",
            "fake_quant", "gaussian_table", "lloyd_max", "meta_multiplier", "pack", "quantize", "unpack"]
 
 META_HEADROOM = 7
@@ -66,6 +66,19 @@ class QuantizedRows:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """Split key rows (the scheme's ``split_k``): the leading ``m`` rotated channels as 4-bit rows ``hi``, the other
+    ``d - m`` as 2-bit rows ``lo``, each part one group with its own scale and zero."""
+
+    hi: QuantizedRows
+    lo: QuantizedRows
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi.nbytes + self.lo.nbytes
 
 
 def _check(x: torch.Tensor, bits: int, group: int) -> None:
@@ -133,8 +146,22 @@ def quantize(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, 
     return QuantizedRows(pack(codes, bits, group), scale, zero, bits, group, mult, table)
 
 
-def dequantize(q: QuantizedRows) -> torch.Tensor:
+def quantize_split(x: torch.Tensor, m: int, ratio_hi: float | torch.Tensor, ratio_lo: float | torch.Tensor,
+                   meta: str = "fp16", mult_hi: torch.Tensor | None = None, mult_lo: torch.Tensor | None = None
+                   ) -> SplitRows:
+    """Split rows: ``x[..., :m]`` as one 4-bit group (clip ``ratio_hi``, FP8 multiplier ``mult_hi``), ``x[..., m:]``
+    as one 2-bit group (``ratio_lo``, ``mult_lo``); see :func:`quantize`."""
+    d = x.shape[-1]
+    if not 0 < m < d or m % 4:
+        raise ValueError(f"a split row needs 0 < m < {d} 4-bit channels, a multiple of 4; got {m}")
+    return SplitRows(quantize(x[..., :m], ratio_hi, 4, m, meta, mult_hi),
+                     quantize(x[..., m:], ratio_lo, 2, d - m, meta, mult_lo))
+
+
+def dequantize(q: QuantizedRows | SplitRows) -> torch.Tensor:
     """Packed rows -> fp32 ``[..., d]``."""
+    if isinstance(q, SplitRows):
+        return torch.cat([dequantize(q.hi), dequantize(q.lo)], -1)
     codes = unpack(q.codes, q.bits, q.group).float().unflatten(-1, (-1, q.group))
     if q.table is not None:
         t = q.table.float().to(codes.device).unsqueeze(-2)  # levels aligned as [..., G, 1, L + 1]

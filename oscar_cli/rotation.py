@@ -227,6 +227,33 @@ def compose(
     return r
 
 
+def split_rotation(cq: torch.Tensor, ck: torch.Tensor, m: int, least: bool = False) -> torch.Tensor:
+    """The rotation of split key rows (float64 ``[d, d]``): columns ``:m`` mix the ``m`` directions that carry the most
+    logit signal, columns ``m:`` the others.
+
+    A key row's logit error is ``Δkᵀ C_Q Δk``; along eigenvector ``u_i`` of C_Q (anchored on the keys' offset,
+    :func:`anchored_eigh` of ``ck``, the keys' uncentred second moment) the signal is ``λ_i σ_i²``, the query energy
+    times the key energy ``u_iᵀ C_K u_i``. The ``m`` directions of the largest signal form the 4-bit part, the rest the
+    2-bit part with the offset first (on its Hadamard's constant row, where the zero point absorbs it); each part gets
+    its own bit-reversal placement and normalised Hadamard (DCT where no Hadamard of its size exists), ordered by
+    eigenvalue within it. ``least``: the control, the ``m`` directions of the *least* signal in the 4-bit part."""
+    lam, u = anchored_eigh(ck, cq)
+    energy = lam * torch.einsum("di,de,ei->i", u, ck.double(), u)
+    energy[0] = torch.inf if least else -torch.inf  # the offset stays in the 2-bit part
+    order = torch.argsort(energy, descending=not least)
+    top, low = order[:m], order[m:]
+    rest = low[low != 0]
+    low = torch.cat([low[low == 0], rest[torch.argsort(lam[rest], descending=True)]])
+    top = top[torch.argsort(lam[top], descending=True)]
+    d = cq.shape[0]
+    r = torch.zeros(d, d, dtype=torch.float64)
+    for cols, idx in ((slice(0, m), top), (slice(m, d), low)):
+        n = len(idx)
+        if n:
+            r[:, cols] = u[:, idx] @ placement(n) @ mixing_matrix(n, n)[0]
+    return r
+
+
 HADAMARD_SEED = 0
 """Seed of the random signs of the data-free Hadamard rotation (fixed so that every artifact, eval and report agree)."""
 

@@ -17,7 +17,10 @@ Three measurements, each with only one part of the cache quantized (the decode-e
 :func:`allocate` solves the multiple-choice knapsack: one width per unit (layer × K/V) minimizing the summed
 predicted KL under a budget of storage bits per quantized element. The KL of a unit at another width than the base
 is predicted as its measured KL times the ratio of its attention-output errors at the two widths (measured per
-layer in the probe pass), so the allocation costs ``2 × layers`` passes plus one per width.
+layer in the probe pass), so the allocation costs ``2 × layers`` passes plus one per width. Split key rows
+(``oscar fit --key-split``) are a third choice for each layer's keys, their KL measured directly (one pass per layer
+with that layer's keys split alone, at the clip pair chosen for all layers): a split moves the logits far more than
+the layer-local or attention-output errors predict.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import contextlib
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,6 +42,8 @@ from .models import attention_modules
 PROBE_NAME = "oscar_sensitivity_probe"
 _PROBE = "_oscar_probe"
 KINDS = ("k", "v")
+SPLIT = "split"
+"""The allocation's choice of split key rows for a layer (beside the code widths)."""
 
 
 class AllocationError(OscarError):
@@ -49,7 +54,9 @@ class AllocationError(OscarError):
 class Sensitivity:
     """Measured sensitivity of the quantized layers. ``kl[(layer, kind)]``: final-logit KL per token at the base
     width; ``attn[(layer, kind, width)]``: ``[H]`` relative attention-output error per KV head;
-    ``logit_err[(layer, width)]``: ``[H]`` probability-weighted key logit error; ``tokens``: tokens scored."""
+    ``logit_err[(layer, width)]``: ``[H]`` probability-weighted key logit error; ``tokens``: tokens scored. Split key
+    rows: ``split`` 4-bit channels per row (0: not measured), ``split_clips`` their (4-bit, 2-bit) clip pair,
+    ``kl_split[layer]`` the final-logit KL per token with that layer's keys split alone."""
 
     base: int
     widths: tuple[int, ...]
@@ -57,6 +64,13 @@ class Sensitivity:
     attn: dict
     logit_err: dict
     tokens: int
+    split: int = 0
+    split_clips: tuple[float, float] | None = None
+    kl_split: dict = field(default_factory=dict)
+
+    def unit_kl(self, layer: int, kind: str, choice) -> float:
+        """KL of one unit at ``choice``: a width (:meth:`predicted_kl`) or :data:`SPLIT` (measured)."""
+        return self.kl_split[layer] if choice == SPLIT else self.predicted_kl(layer, kind, choice)
 
     def predicted_kl(self, layer: int, kind: str, width: int) -> float:
         """KL of one unit at ``width``: measured at the base width, scaled by the attention-output error ratio."""
@@ -70,32 +84,40 @@ class Sensitivity:
     def to_dict(self) -> dict:
         """JSON form (the artifact's ``metrics["sensitivity"]``), per layer."""
         layers = sorted({lk[0] for lk in self.kl})
-        return {
+        out = {
             "base": self.base, "widths": list(self.widths), "tokens": self.tokens,
             "layers": {
                 str(i): {
                     "kl_k": self.kl[(i, "k")], "kl_v": self.kl[(i, "v")],
+                    **({"kl_k_split": self.kl_split[i]} if i in self.kl_split else {}),
                     **{f"attn_{kind}{w}": self.attn[(i, kind, w)].tolist() for kind in KINDS for w in self.widths},
                     **{f"logit_err{w}": self.logit_err[(i, w)].tolist() for w in self.widths},
                 }
                 for i in layers
             },
         }
+        if self.split:
+            out.update(split=self.split, split_clips=list(self.split_clips))
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> Sensitivity:
         """Inverse of :meth:`to_dict` (the artifact's ``metrics["sensitivity"]``)."""
         widths = tuple(d["widths"])
-        kl, attn, logit = {}, {}, {}
+        kl, attn, logit, kl_split = {}, {}, {}, {}
         for i, row in d["layers"].items():
             i = int(i)
+            if "kl_k_split" in row:
+                kl_split[i] = row["kl_k_split"]
             for kind in KINDS:
                 kl[(i, kind)] = row[f"kl_{kind}"]
                 for w in widths:
                     attn[(i, kind, w)] = torch.tensor(row[f"attn_{kind}{w}"])
             for w in widths:
                 logit[(i, w)] = torch.tensor(row[f"logit_err{w}"])
-        return cls(d["base"], widths, kl, attn, logit, d["tokens"])
+        clips = d.get("split_clips")
+        return cls(d["base"], widths, kl, attn, logit, d["tokens"], int(d.get("split", 0)),
+                   None if clips is None else (float(clips[0]), float(clips[1])), kl_split)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -298,18 +320,26 @@ def allocate(losses: dict, weights: dict, costs: dict[int, float], budget: float
 
 def allocate_scheme(sens: Sensitivity, scheme: QuantScheme, head_dim: int, n_layers: int, budget: float,
                     tokens: list[int] | None = None) -> tuple[QuantScheme, dict]:
-    """The scheme with ``bits_k``/``bits_v`` allocated under ``budget`` (bits per quantized element) from measured
-    sensitivity; layers not measured keep the base width. ``tokens[layer]``: the rows each layer holds at the
-    context the budget is for (a sliding-window layer holds at most its window; default: equal), so the budget is
-    met in bytes. Returns (scheme, {unit: width})."""
+    """The scheme with ``bits_k``/``bits_v`` (and ``split_k`` where the sensitivity measured split keys) allocated
+    under ``budget`` (bits per quantized element) from measured sensitivity; layers not measured keep the base width.
+    ``tokens[layer]``: the rows each layer holds at the context the budget is for (a sliding-window layer holds at
+    most its window; default: equal), so the budget is met in bytes. Returns (scheme, {unit: width or SPLIT})."""
     group = scheme.group_for(head_dim)
-    costs = {w: w + scheme.meta_bits / group for w in sens.widths}
+    costs: dict = {w: w + scheme.meta_bits / group for w in sens.widths}
+    if sens.split:
+        costs[SPLIT] = replace(scheme, split_k=(sens.split,), bits_k=(), bits_v=()).unit_bits(0, "k", head_dim)
     layers = sorted({i for i, _ in sens.kl})
     units = [(i, kind) for i in layers for kind in KINDS]
     losses = {u: {w: sens.predicted_kl(u[0], u[1], w) for w in sens.widths} for u in units}
+    for i in sens.kl_split:
+        losses[(i, "k")][SPLIT] = sens.kl_split[i]
     choice = allocate(losses, {u: 1 if tokens is None else tokens[u[0]] for u in units}, costs, budget)
     bk = [scheme.bits] * n_layers
     bv = [scheme.bits] * n_layers
+    split = [0] * n_layers
     for (i, kind), w in choice.items():
-        (bk if kind == "k" else bv)[i] = w
-    return replace(scheme, bits_k=tuple(bk), bits_v=tuple(bv)), choice
+        if w == SPLIT:
+            bk[i], split[i] = 2, sens.split
+        else:
+            (bk if kind == "k" else bv)[i] = w
+    return replace(scheme, bits_k=tuple(bk), bits_v=tuple(bv), split_k=tuple(split) if any(split) else ()), choice

@@ -20,6 +20,11 @@ default is written.
   group's min/max frame, data-free; both INT2 only, and an allocation's 4-bit units stay uniform).
 * ``center_keys``: keys are stored minus a fitted center per layer and KV head (the artifact's ``center_k``), every
   row the softmax sees alike: scores shift by ``q·μ`` per query, which the softmax ignores.
+* ``split_k``: split key rows (``oscar fit --key-split``): per model layer, the number ``m`` of leading rotated key
+  channels stored as 4-bit codes, the other ``d - m`` as 2-bit codes, each part with its own scale/zero (0: the
+  layer's keys are not split; empty: none are). The layer's key rotation puts the directions the queries read most
+  first (:func:`oscar_cli.rotation.split_rotation`). Needs 2-bit keys in that layer, one group per head row and
+  uniform levels; the torch reference serves it, the kernels do not yet (:meth:`QuantScheme.kernel_support`).
 
 Pure Python (no torch), so every layer of the project, and the serving engine's processes, can import it.
 """
@@ -70,6 +75,7 @@ class QuantScheme:
     bits_k: tuple[int, ...] = ()
     bits_v: tuple[int, ...] = ()
     center_keys: bool = False
+    split_k: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.center_keys, bool):
@@ -82,6 +88,15 @@ class QuantScheme:
         if len(self.bits_k) != len(self.bits_v):
             raise SchemeError(f"scheme bits_k and bits_v must name the same layers ({len(self.bits_k)} against "
                               f"{len(self.bits_v)} entries)")
+        v = self.split_k
+        if not isinstance(v, (tuple, list)) or any(not isinstance(m, int) or isinstance(m, bool) or m < 0 or m % 4
+                                                   for m in v):
+            raise SchemeError(f"scheme split_k must be a list of 4-bit key channels per layer (0 or a positive "
+                              f"multiple of 4), got {v!r}")
+        object.__setattr__(self, "split_k", tuple(v))
+        if self.split_k and self.bits_k and len(self.split_k) != len(self.bits_k):
+            raise SchemeError(f"scheme split_k and bits_k must name the same layers ({len(self.split_k)} against "
+                              f"{len(self.bits_k)} entries)")
         for name in ("bits", "group", "sink", "recent"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -96,21 +111,40 @@ class QuantScheme:
             raise SchemeError(f"levels must be one of {', '.join(LEVELS)}, got {self.levels!r}")
         if self.levels != "uniform" and self.bits != 2:
             raise SchemeError(f"{self.levels} levels are 2-bit codebooks; the scheme has bits {self.bits}")
+        if self.split:
+            if self.levels != "uniform":
+                raise SchemeError(f"split key rows store uniform levels; the scheme has {self.levels} levels")
+            bad = [i for i, m in enumerate(self.split_k) if m and self.width(i, "k") != 2]
+            if bad:
+                raise SchemeError(f"split key rows need 2-bit keys; layer {bad[0]}'s keys are "
+                                  f"{self.width(bad[0], 'k')}-bit")
 
     @property
     def mixed(self) -> bool:
         """True when the allocation gives some layer's K or V another width than ``bits``."""
         return any(w != self.bits for w in (*self.bits_k, *self.bits_v))
 
+    @property
+    def split(self) -> bool:
+        """True when some layer's key rows are split (:attr:`split_k`)."""
+        return any(self.split_k)
+
     def width(self, layer: int, kind: str) -> int:
-        """Code width of model layer ``layer``'s keys (``kind="k"``) or values (``"v"``)."""
+        """Code width of model layer ``layer``'s keys (``kind="k"``) or values (``"v"``); a split key row's is 2 (its
+        leading :meth:`split_of` channels are 4-bit)."""
         alloc = self.bits_k if kind == "k" else self.bits_v
         return alloc[layer] if alloc else self.bits
+
+    def split_of(self, layer: int) -> int:
+        """Leading rotated key channels of model layer ``layer`` stored as 4-bit codes (0: not split)."""
+        return self.split_k[layer] if self.split_k else 0
 
     def check_layers(self, n_layers: int) -> None:
         """The allocation (when there is one) has one entry per model layer."""
         if self.bits_k and len(self.bits_k) != n_layers:
             raise SchemeError(f"the scheme allocates widths for {len(self.bits_k)} layers, the model has {n_layers}")
+        if self.split_k and len(self.split_k) != n_layers:
+            raise SchemeError(f"the scheme splits key rows of {len(self.split_k)} layers, the model has {n_layers}")
 
     @property
     def meta_bits(self) -> int:
@@ -135,21 +169,46 @@ class QuantScheme:
 
     def resolved(self, head_dim: int) -> QuantScheme:
         """The same scheme with ``group`` made concrete for ``head_dim`` (what an artifact records)."""
-        return dataclasses.replace(self, group=self.group_for(head_dim))
+        return dataclasses.replace(self, group=self.check_split(head_dim))
+
+    def check_split(self, head_dim: int) -> int:
+        """The concrete group (:meth:`group_for`), checked against the split key rows: one group per head row and
+        ``0 < m < head_dim`` 4-bit channels."""
+        g = self.group_for(head_dim)
+        if self.split:
+            if g != head_dim:
+                raise SchemeError(f"split key rows need one scale/zero pair per part, so group 0 (the head row); "
+                                  f"the scheme's group is {g}")
+            bad = [m for m in self.split_k if m >= head_dim]
+            if bad:
+                raise SchemeError(f"a split key row has fewer than {head_dim} 4-bit channels (the head dim); got "
+                                  f"{bad[0]}")
+        return g
+
+    def unit_bits(self, layer: int, kind: str, head_dim: int) -> float:
+        """Storage bits of one quantised element of model layer ``layer``'s keys or values: the code plus the share
+        of the scale and zero (a split key row: ``m`` 4-bit and ``d - m`` 2-bit codes, two scale/zero pairs)."""
+        g = self.check_split(head_dim)
+        m = self.split_of(layer) if kind == "k" else 0
+        if m:
+            return (4 * m + 2 * (head_dim - m) + 2 * self.meta_bits) / head_dim
+        return self.width(layer, kind) + self.meta_bits / g
 
     def bits_per_element(self, head_dim: int, layers=None, tokens=None) -> float:
         """Storage bits of one quantised element: its code plus its share of the scale and zero, averaged over K and
         V of ``layers`` (model layer indices; default every layer the allocation names) under the allocation, each
         layer weighted by ``tokens[layer]`` (the rows it holds: fewer in a sliding-window layer; default equal)."""
-        meta = self.meta_bits / self.group_for(head_dim)
-        if not self.bits_k:
+        meta = self.meta_bits / self.check_split(head_dim)
+        n = max(len(self.bits_k), len(self.split_k))
+        if not n:
             return self.bits + meta
-        idx = range(len(self.bits_k)) if layers is None else list(layers)
+        idx = range(n) if layers is None else list(layers)
         w = {i: 1 if tokens is None else tokens[i] for i in idx}
         total = sum(w.values())
         if not idx or total <= 0:
             return self.bits + meta
-        return sum((self.bits_k[i] + self.bits_v[i]) * w[i] for i in idx) / (2 * total) + meta
+        return sum((self.unit_bits(i, "k", head_dim) + self.unit_bits(i, "v", head_dim)) * w[i]
+                   for i in idx) / (2 * total)
 
     def kernel_support(self, head_dim: int, device_type: str | None = None) -> str | None:
         """Why the Triton kernels cannot run this scheme at ``head_dim`` (on ``device_type``, e.g. ``"cuda"``; None:
@@ -158,6 +217,8 @@ class QuantScheme:
             return why
         if self.center_keys:
             return "the kernels store keys uncentered, the scheme centers them (center_keys)"
+        if self.split:
+            return "the kernels store one code width per key row, the scheme splits key rows (split_k)"
         if self.levels != "uniform":
             return f"the kernels read uniform levels, the scheme has {self.levels} levels"
         g = self.group_for(head_dim)
@@ -169,7 +230,7 @@ class QuantScheme:
     def to_dict(self) -> dict[str, Any]:
         """JSON form; the allocation and key centering only when there are (such a scheme reads as before them)."""
         d = dataclasses.asdict(self)
-        for name in ("bits_k", "bits_v"):
+        for name in ("bits_k", "bits_v", "split_k"):
             if d[name]:
                 d[name] = list(d[name])
             else:
@@ -187,15 +248,19 @@ class QuantScheme:
         unknown = sorted(set(d) - names)
         if unknown:
             raise SchemeError(f"unknown key(s) {', '.join(unknown)} in {where}; allowed: {', '.join(sorted(names))}")
-        return cls(**{k: tuple(v) if k in ("bits_k", "bits_v") and isinstance(v, list) else v for k, v in d.items()})
+        return cls(**{k: tuple(v) if k in ("bits_k", "bits_v", "split_k") and isinstance(v, list) else v
+                      for k, v in d.items()})
 
     def describe(self) -> str:
         """Short name with the scheme in it, e.g. ``int2.g128.s64.r256``; an allocation reads ``mix2-4k3v1`` (layers
-        whose keys / values are 4-bit), fp8 metadata adds ``.fp8``."""
+        whose keys / values are 4-bit), split key rows add ``.ks64x3`` (64 4-bit channels in 3 layers; the largest
+        split when they differ), fp8 metadata adds ``.fp8``."""
         g = self.group or "row"
         width = f"int{self.bits}"
         if self.mixed:
             width = f"mix2-4k{sum(w == 4 for w in self.bits_k)}v{sum(w == 4 for w in self.bits_v)}"
+        if self.split:
+            width += f".ks{max(self.split_k)}x{sum(m > 0 for m in self.split_k)}"
         meta = "" if self.scale_dtype == "fp16" else f".{self.scale_dtype}"
         center = (".ck" if self.center_keys else "") + ("" if self.levels == "uniform" else f".{self.levels}")
         return f"{width}.g{g}{meta}{center}.s{self.sink}.r{self.recent}"

@@ -41,6 +41,9 @@ def fit(
     clip_criterion: Annotated[str | None, typer.Option(
         help="How clips are chosen: layer-local (each layer's metric) or logit-kl (scaled by the factor with the "
              "least final-logit KL on calibration text; needs --sensitivity-tokens).")] = None,
+    key_split: Annotated[int | None, typer.Option(
+        help="Offer the budget a third choice for each layer's keys: the N most-read rotated directions of every row "
+             "at 4 bits and the rest at 2 (0: off; needs --bits-per-element).")] = None,
     context: Annotated[int | None, typer.Option(help="Sequence length at which the budget holds in bytes (a "
                                                  "sliding-window layer holds at most its window). [32768]")] = None,
     model: Annotated[str | None, typer.Option(help="The run's model for the sensitivity pass (default: the store's "
@@ -72,7 +75,8 @@ def fit(
                                                  if v is not None})
     overrides = {k: v for k, v in dict(layers=layers, method=method, per_head=per_head, fit_clip=fit_clip,
                                        bits_per_element=bits_per_element, sensitivity_tokens=sensitivity_tokens,
-                                       model=model, context=context, clip_criterion=clip_criterion).items()
+                                       model=model, context=context, clip_criterion=clip_criterion,
+                                       key_split=key_split).items()
                  if v is not None}
     cfg = dataclasses.replace(base, scheme=scheme, **overrides)
     recipe_text = rec.source if rec else _recipe_yaml(cfg)
@@ -95,9 +99,12 @@ def fit(
         sch = manifest.scheme
         k4 = [i for i in manifest.layers if sch.width(i, "k") == 4]
         v4 = [i for i in manifest.layers if sch.width(i, "v") == 4]
+        ks = [i for i in manifest.layers if sch.split_of(i)]
+        split = (f", split keys ({max(sch.split_k)} 4-bit channels) in {ks}"
+                 f" with clips {a['split_clips'][0]:g}/{a['split_clips'][1]:g}" if ks else "")
         out.print(f"  allocation: {a['bits_per_element']:.3f} bits/element at {a['context']} tokens (budget "
                   f"{a['budget']:g}); 4-bit keys in "
-                  f"layers {k4 or 'none'}, 4-bit values in {v4 or 'none'}")
+                  f"layers {k4 or 'none'}, 4-bit values in {v4 or 'none'}{split}")
     for kv, label in (("distortion_k", "keys"), ("distortion_v", "values")):
         m, wins = s[kv]["mean"], s[kv]["artifact_better_layers"]
         out.print(f"  {label}: held-out distortion {m['artifact']:.4f} vs hadamard {m['hadamard']:.4f} "
@@ -115,5 +122,7 @@ def _recipe_yaml(cfg) -> str:
     fit = dataclasses.asdict(cfg)
     fit["clip_grid"] = list(cfg.clip_grid)
     fit["clip_scale_grid"] = list(cfg.clip_scale_grid)
+    fit["split_clips_hi"] = list(cfg.split_clips_hi)
+    fit["split_clips_lo"] = list(cfg.split_clips_lo)
     fit["scheme"] = cfg.scheme.to_dict()
     return yaml.safe_dump({"fit": fit}, sort_keys=False)

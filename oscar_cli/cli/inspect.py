@@ -66,15 +66,20 @@ def inspect(
         base = report["sensitivity"]["base"]
         st = Table(title=f"sensitivity on {report['sensitivity']['tokens']} calibration tokens, INT{base} alone in "
                          "that part (KL x1e3 per token; attention-output error and key logit error per KV head)")
-        for col in ("layer", "K KL", "V KL", "K attn err", "V attn err", "key logit err", "bits K/V"):
+        split = report["sensitivity"].get("split")
+        cols = ("layer", "K KL", "V KL", *((f"K split {split} KL",) if split else ()), "K attn err", "V attn err",
+                "key logit err", "bits K/V")
+        for col in cols:
             st.add_column(col, justify="right")
         for r in report["layers"]:
             s = r.get("sensitivity")
             if s is None:
                 continue
+            bits_k = f"2+{r['split_k']}x4" if r.get("split_k") else str(r["bits_k"])
             st.add_row(str(r["layer"]), f"{1e3 * s['kl_k']:.2f}", f"{1e3 * s['kl_v']:.2f}",
+                       *((f"{1e3 * s['kl_k_split']:.2f}",) if split else ()),
                        "/".join(f"{x:.3f}" for x in s[f"attn_k{base}"]), "/".join(f"{x:.3f}" for x in s[f"attn_v{base}"]),
-                       "/".join(f"{x:.3f}" for x in s[f"logit_err{base}"]), f"{r['bits_k']}/{r['bits_v']}")
+                       "/".join(f"{x:.3f}" for x in s[f"logit_err{base}"]), f"{bits_k}/{r['bits_v']}")
         out.print(st)
     c = report["clip_scale"]
     if c is not None:
@@ -84,6 +89,10 @@ def inspect(
     if a is not None:
         out.print(f"allocation: {a['bits_per_element']:.3f} bits per quantized element (budget {a['budget']:g}), "
                   f"predicted summed KL {a['predicted_kl']:.4f}")
+        if a.get("split_layers"):
+            out.print(f"split keys ({a['split']} most-read rotated channels 4-bit, the rest 2-bit; clips "
+                      f"{a['split_clips'][0]:g}/{a['split_clips'][1]:g} by final-logit KL) in layers "
+                      f"{a['split_layers']}")
     for kv, label in (("distortion_k", "keys"), ("distortion_v", "values")):
         s = report["summary"][kv]
         m = s["mean"]
