@@ -163,14 +163,17 @@ def score(args) -> None:
         meta[name] = got
         grids[name] = grid_cells(spec, got["answers"])
     body = render(spec, table, meta, grids)
+    hf = {m.get("backend") for m in meta.values()} == {"transformers"}
     if args.plot:
-        plot(grids, args.plot, spec["model"])
+        plot(grids, args.plot, spec["model"], "transformers" if hf else "SGLang")
         body += f"\n\nDepth x length grid plot: `{args.plot}`."
     card = next(iter(meta.values()))["device"]
-    print(append_section(args.results, f"RULER through SGLang ({spec['model']})", card, args.commit or
-                         next(iter(meta.values())).get("commit", "unknown"),
-                         "SGLang 0.5.17 on the GPU; requests built and scored by lm-eval on the CPU "
-                         "(`benchmarks/ruler_server.py`).", body, command=["benchmarks/ruler_server.py", *sys.argv[1:]]))
+    engine = ("transformers with OscarCache (`benchmarks/ruler_hf.py`)" if hf else "SGLang 0.5.17")
+    print(append_section(args.results, f"RULER through {'transformers' if hf else 'SGLang'} ({spec['model']})", card,
+                         args.commit or next(iter(meta.values())).get("commit", "unknown"),
+                         f"{engine} on {'the GPU' if card != 'CPU' else 'the CPU'}; requests built and scored by "
+                         "lm-eval on the CPU (`benchmarks/ruler_server.py`).", body,
+                         command=["benchmarks/ruler_server.py", *sys.argv[1:]]))
 
 
 def grid_cells(spec: dict, answers: dict) -> dict:
@@ -193,7 +196,8 @@ def render(spec: dict, table: dict, meta: dict, grids: dict) -> str:
     rows = [f"{spec['samples']} samples per RULER task and length (lm-eval's offline generators, noise haystacks), "
             f"greedy, up to 128 new tokens; the needle grid {spec['grid_samples']} samples per length over depths "
             "0.1..0.9 of the built-in held-out text. Bits per element: what each server's KV pool stores per "
-            "cached element (its own budget line or KV allocation line).", "",
+            "cached element (its own budget line or KV allocation line; through transformers, the caches' own bytes "
+            "over the elements they hold at the longest length, exact rows included).", "",
             "| configuration | bits/element | " + " | ".join(f"{t} {n // 1024}k" for t in RULER_TASKS for n in lengths)
             + " | grid (all) |",
             "| --- | --- | " + " | ".join("---" for _ in RULER_TASKS for _ in lengths) + " | --- |"]
@@ -213,7 +217,7 @@ def render(spec: dict, table: dict, meta: dict, grids: dict) -> str:
     return "\n".join(rows)
 
 
-def plot(grids: dict, path: Path, model: str) -> None:
+def plot(grids: dict, path: Path, model: str, engine: str = "SGLang") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,7 +237,7 @@ def plot(grids: dict, path: Path, model: str) -> None:
         ax.set_xlabel("context")
     axes[0][0].set_ylabel("needle depth")
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
-    fig.suptitle(f"needle retrieval through SGLang, {model}", fontsize=10)
+    fig.suptitle(f"needle retrieval through {engine}, {model}", fontsize=10)
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
 

@@ -215,7 +215,8 @@ class OscarCache(Cache):
     ``quants``: one :class:`LayerQuant` per layer (None = exact layer); ``scheme``: the quant scheme (its sink and
     recent rows; the bits and group are the quantizers'). ``backend``: ``auto`` (the kernels on CUDA when every
     quantized layer is one they cover, else the torch reference), ``reference``, or ``kernels`` (refused with one line
-    naming the layer and the reason when they do not cover it; on CPU it needs ``TRITON_INTERPRET=1``)."""
+    naming the layer and the reason when they do not cover it; on CPU it needs ``TRITON_INTERPRET=1``). Sliding-window
+    layers (gemma-3's) stay with the reference, which reads the window from the attention mask."""
 
     def __init__(self, model, quants: list[LayerQuant | None], scheme: QuantScheme, backend: str = "auto"):
         attn.ensure_installed(model)
@@ -225,6 +226,10 @@ class OscarCache(Cache):
         cfg = model.config
         d = attention_shape(cfg).head_dim
         why = {i: kernel_ready(q, scheme, d, dev.type) for i, q in enumerate(quants) if q is not None}
+        types = getattr(cfg, "layer_types", None) or []
+        for i in why:
+            if not why[i] and i < len(types) and types[i] == "sliding_attention" and getattr(cfg, "sliding_window", 0):
+                why[i] = "a sliding-window layer (the kernels read every cached row of a sequence, not its window)"
         if backend == "kernels" and any(why.values()):
             i = next(i for i, w in why.items() if w)
             raise OscarError(f"the kernel cache backend cannot run layer {i}: {why[i]}; use backend='reference'")

@@ -114,3 +114,25 @@ def test_clips_scaled_by_the_final_logit_kl(tmp_path, tiny_gemma_dir):
     for kind in "kv":
         want = (local.tensors[f"clip_{kind}"] * scale[kind]).clamp(max=1.0)
         assert torch.allclose(kl.tensors[f"clip_{kind}"], want)
+
+
+def test_the_kernel_backend_leaves_sliding_window_layers_to_the_reference(tiny_gemma_dir):
+    """The kernels read every cached row of a sequence; a sliding-window layer reads its window (from the mask), so
+    the cache refuses the kernels there with one line and ``auto`` keeps the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from oscar_cli.cache import OscarCache
+    from oscar_cli.errors import OscarError
+    from oscar_cli.kvquant import build_layer_quants
+    from oscar_cli.methods import get_method, scheme_for
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gemma_dir)
+    m = get_method("int2-hadamard")
+    scheme = scheme_for(m, 32)
+    quants = build_layer_quants(m, scheme, 4, 32, 1)
+    from oscar_cli import attention
+
+    attention.install(model, quants, scheme)
+    with pytest.raises(OscarError, match="layer 0: a sliding-window layer"):
+        OscarCache(model, quants, scheme, backend="kernels")
+    assert OscarCache(model, quants, scheme).backend == "reference"
