@@ -156,8 +156,6 @@ class QuantScheme:
         anywhere they run), or None when they can."""
         if device_type == "cuda" and (why := cuda_head_dim_refusal(head_dim)) is not None:
             return why
-        if self.center_keys:
-            return "the kernels store keys uncentered, the scheme centers them (center_keys)"
         if self.levels != "uniform":
             return f"the kernels read uniform levels, the scheme has {self.levels} levels"
         g = self.group_for(head_dim)
