@@ -5,7 +5,8 @@ Math, per token ``n`` and KV head ``h`` (``x`` row of ``d`` elements, ``R`` = ``
 per group ``k`` of ``g`` contiguous elements of ``x'``: ``mn, mx = min, max``,
 ``mid = (mx + mn) * 0.5``, ``half = (mx - mn) * 0.5 * r``, ``lo = mid - half``, ``hi = mid + half``,
 ``scale = fp16(max((hi - lo) / 3, SCALE_EPS))``, ``zero = fp16(lo)``,
-``code = clamp(floor((x' - zero) / scale + 0.5), 0, 3)`` (division rounded to nearest, as torch does).
+``code = clamp(floor((x' - zero) / scale + 0.5), 0, 3)`` (each division rounded to nearest, as torch does on
+the CPU; torch on CUDA multiplies by the reciprocal of a Python number, so the reference divides by tensors).
 With FP8 metadata (a per-head multiplier ``m = mult[h]``) the stored scale is ``e4m3(clamp(scale / m,
 FP8_MIN_STEP, 448))`` and the zero ``e4m3(clamp(lo / m, -448, 448))``, and the codes use ``float(stored) * m``.
 Optionally the rotated row itself, ``bf16(x')``, is stored as an exact row.
@@ -276,7 +277,7 @@ def _quantize_pack_rows(
             zero16 = zq.to(tl.float8e4nv)
             s = sq * m
             z = zq * m
-        else:
+        else:  # div_rn: the quotient rounded once, as the definition says (no reciprocal, no approximate div.full)
             scale16 = tl.maximum(tl.math.div_rn(hi - lo, TOP), scale_eps).to(tl.float16)
             zero16 = lo.to(tl.float16)
             s = scale16.to(tl.float32)
@@ -658,7 +659,10 @@ def quantize_pack_ref(
     half = (mx - mn) * 0.5 * r
     lo, hi = mid - half, mid + half
     top = 15 if codes_hi is not None else LEVELS
-    s16 = ((hi - lo) / top).clamp_min(SCALE_EPS)
+    # divided by a tensor, not by the number: torch on CUDA computes ``tensor / number`` as ``tensor * fp32(1 /
+    # number)``, one fp32 ulp off the correctly rounded quotient for some inputs (enough to move an fp16 scale one
+    # step), while the definition, the kernel's div_rn and torch on the CPU round the quotient itself
+    s16 = ((hi - lo) / torch.full_like(hi, top)).clamp_min(SCALE_EPS)
     if mult is None:
         s16, z16 = s16.to(torch.float16), lo.to(torch.float16)
         sf, zf = s16.float(), z16.float()

@@ -217,7 +217,8 @@ def test_centered_keys_pool():
     pool = Int2KVPool(scheme, L, HKV, D, 40, 3, rot, rot.flip(0), device=DEVICE, center_k=center)
     plain = Int2KVPool(QuantScheme(group=32, sink=2, recent=4), L, HKV, D, 40, 3, rot, rot.flip(0), device=DEVICE)
     c = pool.layer(1)
-    torch.testing.assert_close(c.center_k.cpu(), torch.einsum("hd,hde->he", center[1], rot[1]))
+    # rot is on DEVICE (random_rotation puts it there), center on the CPU: the expected center is made on the CPU
+    torch.testing.assert_close(c.center_k.cpu(), torch.einsum("hd,hde->he", center[1], rot[1].cpu()))
     assert plain.layer(1).center_k is None and pool.nbytes == plain.nbytes + L * HKV * D * 4
     n = 9
     k = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)

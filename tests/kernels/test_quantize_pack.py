@@ -88,6 +88,27 @@ def test_kernel_prerotated_is_bit_exact(d, group, dtype):
     assert torch.isfinite(got[1][loc]).all() and torch.isnan(got[1][free]).all()  # written / untouched
 
 
+def test_scale_is_one_rounded_division():
+    """``scale = fp16((hi - lo) / 3)`` with the quotient rounded once, in the kernel and in the reference, on any device
+    (torch on CUDA computes ``tensor / 3`` as ``tensor * fp32(1/3)``): a group whose ``(hi - lo) / 3`` lies just
+    below an fp16 rounding boundary, where the reciprocal's product rounds to the fp16 step above."""
+    w = 13.001952171325684  # an fp32 value: w / 3 = 4.3339840..., fp16's boundary 4.333984375 two thirds of an fp32 ulp up
+    exact = (torch.tensor(w) / torch.tensor(3.0)).half()
+    assert exact != (torch.tensor(w) * torch.tensor(1 / 3)).half()  # the case tells the two apart
+    d = 32
+    x = torch.zeros(1, 1, d)
+    x[0, 0, 5] = w  # one group: min 0, max w, so lo = 0 and hi = w exactly at clip 1
+    x = x.to(DEVICE)
+    loc = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    got = _pools(1, 1, d, d, torch.Generator().manual_seed(0))
+    want = tuple(t.clone() for t in got)
+    quantize_pack(x, None, 1.0, *got, loc, d)
+    quantize_pack_ref(x, None, 1.0, *want, loc, d)
+    assert got[1].item() == want[1].item() == exact.item()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("group", ["row", 32])
 @pytest.mark.parametrize("path", ["dot", "fma", "fma-all-rows"])
