@@ -73,6 +73,13 @@ def _stack_mult(quants: list[LayerQuant], which: str, kv_heads: int) -> torch.Te
     return torch.stack([(lq.mult_k if which == "k" else lq.mult_v).float().cpu().expand(kv_heads) for lq in quants])
 
 
+def _stack_center(quants: list[LayerQuant], scheme: QuantScheme) -> torch.Tensor | None:
+    """The layers' key centers ``[L, Hkv, d]`` (None when the scheme does not center keys)."""
+    if not scheme.center_keys:
+        return None
+    return torch.stack([lq.center_k.float().cpu() for lq in quants])
+
+
 def _stack_clip(quants: list[LayerQuant], which: str) -> torch.Tensor:
     clips = [(lq.clip_k if which == "k" else lq.clip_v).float().cpu() for lq in quants]
     h = max(c.numel() for c in clips)
@@ -118,7 +125,8 @@ class KernelState:
                           _stack_clip(self.quants, "k"), _stack_clip(self.quants, "v"), device=device,
                           mult_k=_stack_mult(self.quants, "k", self.kv_heads),
                           mult_v=_stack_mult(self.quants, "v", self.kv_heads),
-                          widths=[(lq.bits_k, lq.bits_v) for lq in self.quants])
+                          widths=[(lq.bits_k, lq.bits_v) for lq in self.quants],
+                          center_k=_stack_center(self.quants, self.scheme))
         if old is not None:  # same rows and positions in the larger table; exact regions are per row: unchanged
             for j in range(len(self.quants)):
                 a, b = old.layer(j), pool.layer(j)

@@ -121,7 +121,9 @@ def quantize(x: torch.Tensor, ratio: float | torch.Tensor = 1.0, bits: int = 2, 
     _check(x, bits, group)
     levels = (1 << bits) - 1
     lo, hi = clip_bounds(x, ratio, group)
-    scale = ((hi - lo) / levels).clamp_min(SCALE_EPS)
+    # a tensor divisor: torch on CUDA turns ``tensor / number`` into ``tensor * fp32(1 / number)``, which can land an
+    # fp32 ulp off the correctly rounded quotient the kernels and the CPU compute
+    scale = ((hi - lo) / torch.full_like(hi, levels)).clamp_min(SCALE_EPS)
     if meta == "fp16":
         scale, zero, mult = scale.to(torch.float16), lo.to(torch.float16), None
     elif meta == "fp8":

@@ -39,6 +39,13 @@ def fp8_quants(n_layers=2, h=2):
     return [dataclasses.replace(lq, meta="fp8", mult_k=mult, mult_v=mult.flip(0)) for lq in per_head_quants(n_layers, h)]
 
 
+def centered_quants():
+    """:func:`fp8_quants` with centered keys: a center per layer and KV head, far from the keys' own mean (the model
+    basis; the reference subtracts it before rotating, the kernels their rotated copy after)."""
+    g = torch.Generator().manual_seed(3)
+    return [dataclasses.replace(lq, center_k=torch.randn(2, D, generator=g) * 2 + 1) for lq in fp8_quants()]
+
+
 def mixed_quants():
     """:func:`per_head_quants` with an allocation: 4-bit keys in layer 0, 4-bit values in layer 1."""
     a, b = per_head_quants()
@@ -52,6 +59,8 @@ def quants_for(kind, scheme):
         return fp8_quants()
     if kind == "mixed-widths":
         return mixed_quants()
+    if kind == "centered-fp8":
+        return centered_quants()
     m = get_method(kind)
     return build_layer_quants(m, scheme_for(m, D, reference=scheme), 2, D, 2)
 
@@ -104,11 +113,11 @@ def steps_and_layer0(model, cache, x, mask, chunks, decode_steps):
 
 @pytest.mark.parametrize("kind,chunks", [("per-head", (24,)), ("int2-hadamard", (9, 15)), ("int2-naive", (24,)),
                                          ("per-head-fp8", (11, 13)), ("mixed-widths", (11, 13)),
-                                         ("int4-hadamard", (24,))])
+                                         ("int4-hadamard", (24,)), ("centered-fp8", (9, 15))])
 def test_kernel_backend_matches_the_reference(kind, chunks):
     model = tiny()
     scheme = QuantScheme(sink=3, recent=5, scale_dtype="fp8" if kind.endswith("fp8") else "fp16",
-                         bits=4 if kind.startswith("int4") else 2)
+                         bits=4 if kind.startswith("int4") else 2, center_keys=kind.startswith("centered"))
     q = quants_for(kind, scheme)
     x = torch.randint(1, 96, (2, 24), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(x)

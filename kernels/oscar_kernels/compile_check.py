@@ -217,6 +217,14 @@ def exercise(head_dim: int, kv_heads: int = 2, gqa: int = 4) -> None:
                 step(DecodePlan(pool, 2, 128, q_heads=hq, row_kernel=row_kernel))
             step(DecodePlan(pool, 2, 128, q_heads=hq, launch=DecodeLaunch(async_tiles=False)))
 
+        # centered keys (FP8 scales, as gemma's recipe stores them): the write subtracts each head's center; the
+        # attention kernels are the ones above
+        centered = QuantScheme(group=g, sink=4, recent=8, scale_dtype="fp8", center_keys=True)
+        pool = Int2KVPool(centered, 1, kv_heads, d, 256, 2, rot, rot.clone(), clip_k=0.9, clip_v=0.95, mult_k=mult,
+                          mult_v=mult, center_k=torch.randn(1, kv_heads, d))
+        extends(pool)
+        step(DecodePlan(pool, 2, 128, q_heads=hq))
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -354,7 +354,10 @@ class LayerCache:
     * ``k``, ``v``: :class:`Int2Pool` (same slots, KV heads, head dim and group);
     * ``k_bf16``, ``v_bf16``: bf16 ``[R, Hkv, d]`` exact rows, already rotated;
     * ``rot_k``, ``rot_v``: fp32 ``[Hkv or 1, d, d]``;
-    * ``clip_k``, ``clip_v``: fp32 ``[Hkv]`` device tensors of clip ratios (read by ``quantize_pack`` in the kernel).
+    * ``clip_k``, ``clip_v``: fp32 ``[Hkv]`` device tensors of clip ratios (read by ``quantize_pack`` in the kernel);
+    * ``center_k``: key centering (``QuantScheme.center_keys``): fp32 ``[Hkv, d]``, each head's key center in the
+      rotated basis, subtracted from every key row the layer stores (INT2 and exact alike; the attention kernels need
+      nothing: a query's scores all move by ``q·center``); None: keys stored as they are.
     """
 
     k: Int2Pool
@@ -365,6 +368,7 @@ class LayerCache:
     rot_v: torch.Tensor
     clip_k: torch.Tensor
     clip_v: torch.Tensor
+    center_k: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         hkv, d = self.k.kv_heads, self.k.head_dim
@@ -380,6 +384,11 @@ class LayerCache:
         check_rot("rot_v", self.rot_v, hkv, d)
         check_clip("clip_k", self.clip_k, hkv)
         check_clip("clip_v", self.clip_v, hkv)
+        c = self.center_k
+        if c is not None and (c.dtype != torch.float32 or c.shape != (hkv, d) or not c.is_contiguous()
+                              or c.device != self.k.codes.device):
+            raise ValueError(f"center_k must be a contiguous fp32 [{hkv}, {d}] tensor on the pool's device, got "
+                             f"{c.dtype} {tuple(c.shape)} on {c.device}")
 
     @property
     def kv_heads(self) -> int:

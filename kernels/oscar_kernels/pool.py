@@ -50,6 +50,20 @@ def _mults(mult, name: str, num_layers: int, kv_heads: int, device) -> torch.Ten
     return m.to(device).contiguous()
 
 
+def _centers(center, rot: torch.Tensor, num_layers: int, kv_heads: int, d: int, device) -> list:
+    """Key centers ``[L, Hkv, d]`` in the model basis -> each layer's ``[Hkv, d]`` fp32 center in its rotated basis
+    (``center[h] @ rot[h]``, in float64 so the kernels' rows and the reference agree to fp32 rounding)."""
+    if center is None:
+        raise SchemeError(f"the scheme centers keys: give center_k [{num_layers}, {kv_heads}, {d}] (the artifact's "
+                          "center_k), or fit without --center-keys")
+    c = torch.as_tensor(center)
+    if c.shape != (num_layers, kv_heads, d):
+        raise ValueError(f"center_k must be [{num_layers}, {kv_heads}, {d}], got {tuple(c.shape)}")
+    r = rot.double().cpu().expand(num_layers, kv_heads, d, d)
+    rotated = torch.einsum("lhd,lhde->lhe", c.double().cpu(), r).float()
+    return [rotated[i].to(device).contiguous() for i in range(num_layers)]
+
+
 def _rots(rot: torch.Tensor, name: str, num_layers: int, kv_heads: int, d: int, device) -> torch.Tensor:
     if rot.dim() != 4 or rot.shape[0] != num_layers or rot.shape[1] not in (1, kv_heads) or rot.shape[2:] != (d, d):
         raise ValueError(f"{name} must be [{num_layers}, 1 or {kv_heads}, {d}, {d}], got {tuple(rot.shape)}")
@@ -70,6 +84,8 @@ class Int2KVPool:
             ``[L, Hkv]`` on the device (each width's clips: a 4-bit layer's are its 4-bit ones).
         mult_k, mult_v: FP8 metadata only (and then required): per-layer, per-KV-head power-of-two multipliers
             ``[L, Hkv]`` (the artifact's; :mod:`oscar_kernels.layout` says how they scale the stored e4m3 values).
+        center_k: centered keys only (``scheme.center_keys``, and then required): each layer's and KV head's key
+            center ``[L, Hkv, d]`` in the model basis (the artifact's), subtracted from every key row stored.
         widths: code width ``(K, V)`` of each of the pool's layers (2 or 4); default the scheme's
             (``scheme.width(i, ...)`` of layer ``i``: the pool's layers are the model's, from 0).
         device: where everything lives.
@@ -78,7 +94,7 @@ class Int2KVPool:
     def __init__(self, scheme: QuantScheme, num_layers: int, kv_heads: int, head_dim: int, num_slots: int,
                  max_requests: int, rot_k: torch.Tensor, rot_v: torch.Tensor, clip_k=None, clip_v=None,
                  device: torch.device | str | None = None, mult_k=None, mult_v=None,
-                 widths: list[tuple[int, int]] | None = None):
+                 widths: list[tuple[int, int]] | None = None, center_k=None):
         why = scheme.kernel_support(head_dim, torch.device(device).type if device is not None else None)
         if why is not None:
             raise SchemeError(f"scheme {scheme.describe()} cannot run in the kernels: {why}")
@@ -100,6 +116,7 @@ class Int2KVPool:
         fp8 = self.scheme.scale_dtype == "fp8"
         mk = _mults(mult_k, "mult_k", num_layers, kv_heads, device) if fp8 else [None] * num_layers
         mv = _mults(mult_v, "mult_v", num_layers, kv_heads, device) if fp8 else [None] * num_layers
+        ce = _centers(center_k, rk, num_layers, kv_heads, d, device) if self.scheme.center_keys else [None] * num_layers
         rows = max(self.rows_per_request * max_requests, 1)  # one row at least: kernels take a real pointer
         self._layers = []
         for i in range(num_layers):
@@ -108,7 +125,7 @@ class Int2KVPool:
                 v=Int2Pool.empty(num_slots, kv_heads, d, g, device=device, mult=mv[i], bits=self.widths[i][1]),
                 k_bf16=torch.empty(rows, kv_heads, d, dtype=torch.bfloat16, device=device),
                 v_bf16=torch.empty(rows, kv_heads, d, dtype=torch.bfloat16, device=device),
-                rot_k=rk[i], rot_v=rv[i], clip_k=ck[i], clip_v=cv[i],
+                rot_k=rk[i], rot_v=rv[i], clip_k=ck[i], clip_v=cv[i], center_k=ce[i],
             ))
 
     # ------------------------------------------------------------------------------------------------ layout
@@ -168,15 +185,17 @@ class Int2KVPool:
             ko = vo = None
         quantize_pack_kv(k, v, c.rot_k, c.rot_v, c.clip_k, c.clip_v, c.k, c.v, loc, self.group_size,
                          bf16_out=None if ko is None else (ko, vo), bf16_loc=bf16_loc, q=q, q_out=q_out,
-                         q_scale=q_scale, **tuning)
+                         q_scale=q_scale, center_k=c.center_k, **tuning)
 
     def write_exact(self, layer: int, bf16_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     rotated: bool = False) -> None:
         """Store exact rows only (no INT2 store): ``k``/``v`` ``[N, Hkv, d]`` (un-rotated, or rotated already with
-        ``rotated``) at rows ``bf16_loc`` int32/int64 ``[N]`` (``-1``: skip; distinct rows otherwise)."""
+        ``rotated``: then also centered already, as :meth:`write`'s exact rows are) at rows ``bf16_loc`` int32/int64
+        ``[N]`` (``-1``: skip; distinct rows otherwise)."""
         c = self._layers[layer]
         quantize_pack_kv(k, v, None if rotated else c.rot_k, None if rotated else c.rot_v, None, None, None, None,
-                         None, self.group_size, bf16_out=(c.k_bf16, c.v_bf16), bf16_loc=bf16_loc)
+                         None, self.group_size, bf16_out=(c.k_bf16, c.v_bf16), bf16_loc=bf16_loc,
+                         center_k=None if rotated else c.center_k)
 
     # ------------------------------------------------------------------------------------------------ bytes
     @property
@@ -198,6 +217,7 @@ class Int2KVPool:
         total = 0
         for c in self._layers:
             total += c.k.nbytes + c.v.nbytes
-            held = [c.k_bf16, c.v_bf16, c.rot_k, c.rot_v, c.clip_k, c.clip_v] + ([c.k.mult, c.v.mult] if c.fp8 else [])
+            held = [c.k_bf16, c.v_bf16, c.rot_k, c.rot_v, c.clip_k, c.clip_v] + ([c.k.mult, c.v.mult] if c.fp8 else []) \
+                + ([c.center_k] if c.center_k is not None else [])
             total += sum(t.numel() * t.element_size() for t in held)
         return total

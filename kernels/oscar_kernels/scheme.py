@@ -215,8 +215,6 @@ class QuantScheme:
         anywhere they run), or None when they can."""
         if device_type == "cuda" and (why := cuda_head_dim_refusal(head_dim)) is not None:
             return why
-        if self.center_keys:
-            return "the kernels store keys uncentered, the scheme centers them (center_keys)"
         if self.split:
             return "the kernels store one code width per key row, the scheme splits key rows (split_k)"
         if self.levels != "uniform":

@@ -1,10 +1,12 @@
 """Rotate, clip, quantize to INT2, pack and scatter new K or V rows into their token slots (and exact rows).
 
 Math, per token ``n`` and KV head ``h`` (``x`` row of ``d`` elements, ``R`` = ``rot[h]`` fp32 ``[d, d]``, clip ratio
-``r = clip[h]``): ``x' = x @ R``; per group ``k`` of ``g`` contiguous elements of ``x'``: ``mn, mx = min, max``,
+``r = clip[h]``): ``x' = x @ R`` (minus the head's key center ``c[h]``, rotated basis, when keys are centered);
+per group ``k`` of ``g`` contiguous elements of ``x'``: ``mn, mx = min, max``,
 ``mid = (mx + mn) * 0.5``, ``half = (mx - mn) * 0.5 * r``, ``lo = mid - half``, ``hi = mid + half``,
 ``scale = fp16(max((hi - lo) / 3, SCALE_EPS))``, ``zero = fp16(lo)``,
-``code = clamp(floor((x' - zero) / scale + 0.5), 0, 3)`` (division rounded to nearest, as torch does).
+``code = clamp(floor((x' - zero) / scale + 0.5), 0, 3)`` (each division rounded to nearest, as torch does on
+the CPU; torch on CUDA multiplies by the reciprocal of a Python number, so the reference divides by tensors).
 With FP8 metadata (a per-head multiplier ``m = mult[h]``) the stored scale is ``e4m3(clamp(scale / m,
 FP8_MIN_STEP, 448))`` and the zero ``e4m3(clamp(lo / m, -448, 448))``, and the codes use ``float(stored) * m``.
 Optionally the rotated row itself, ``bf16(x')``, is stored as an exact row.
@@ -200,7 +202,7 @@ def _fp8_grid(v):
 @triton.jit
 def _quantize_pack_rows(
     pid_n, h,
-    X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC, MULT, CODES_HI,
+    X, ROT, CLIP, CODES, SCALE, ZERO, LOC, BF16, BLOC, MULT, CODES_HI, CENTER,
     n_tokens, clip_ratio, scale_eps,
     stride_xn, stride_xh, stride_xd,
     stride_rh, stride_rr, stride_rc,
@@ -208,14 +210,17 @@ def _quantize_pack_rows(
     stride_ss, stride_sh,
     stride_zs, stride_zh,
     stride_bs, stride_bh,
+    stride_eh,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTATE: tl.constexpr, ROT_PER_HEAD: tl.constexpr, CLIP_PER_HEAD: tl.constexpr, PRECISION: tl.constexpr,
     ROT_FMA: tl.constexpr,
     STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr, META_FP8: tl.constexpr,
+    CENTER_ROWS: tl.constexpr,
 ):
     """Block ``pid_n`` of tokens, KV head ``h``, of one of K or V (the body of both kernels below); FP8 metadata
     (``META_FP8``) stores scale and zero over KV head ``h``'s multiplier ``MULT[h]``; 4-bit codes (``MAX_CODE``
-    15) store their high plane at ``CODES_HI`` (the low plane's strides)."""
+    15) store their high plane at ``CODES_HI`` (the low plane's strides); ``CENTER_ROWS`` subtracts KV head ``h``'s
+    center ``CENTER[h]`` (rotated basis, natural element order) from the rotated rows before anything is stored."""
     D4: tl.constexpr = HEAD_DIM // 4
     BQ: tl.constexpr = GROUP_SIZE // 4
     NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
@@ -230,6 +235,12 @@ def _quantize_pack_rows(
     y0, y1, y2, y3 = _rotated_quarters(x_rows, mask_n, ROT + (h * stride_rh if ROT_PER_HEAD else 0), stride_xd,
                                        stride_rr, stride_rc, col0, HEAD_DIM, BQ, BLOCK_N, D4, ROTATE, PRECISION,
                                        ROT_FMA)
+    if CENTER_ROWS:  # key centering: every stored row (codes and exact) alike, so the softmax sees one shift
+        c_h = CENTER + h * stride_eh
+        y0 -= tl.load(c_h + (col0 + 0 * BQ))[None, :]
+        y1 -= tl.load(c_h + (col0 + 1 * BQ))[None, :]
+        y2 -= tl.load(c_h + (col0 + 2 * BQ))[None, :]
+        y3 -= tl.load(c_h + (col0 + 3 * BQ))[None, :]
 
     if STORE_BF16:  # the rotated row, natural element order, where bf16_loc >= 0
         brow = tl.load(BLOC + offs_n, mask=mask_n, other=-1).to(tl.int64)
@@ -266,7 +277,7 @@ def _quantize_pack_rows(
             zero16 = zq.to(tl.float8e4nv)
             s = sq * m
             z = zq * m
-        else:
+        else:  # div_rn: the quotient rounded once, as the definition says (no reciprocal, no approximate div.full)
             scale16 = tl.maximum(tl.math.div_rn(hi - lo, TOP), scale_eps).to(tl.float16)
             zero16 = lo.to(tl.float16)
             s = scale16.to(tl.float32)
@@ -292,7 +303,7 @@ def _quantize_pack_rows(
 
 @triton.jit
 def _quantize_pack_kv_kernel(
-    K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC, K_BF16, K_BLOC, K_MULT, K_CODES_HI,
+    K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC, K_BF16, K_BLOC, K_MULT, K_CODES_HI, K_CENTER,
     K_n_tokens, K_clip_ratio, K_scale_eps,
     K_stride_xn, K_stride_xh, K_stride_xd,
     K_stride_rh, K_stride_rr, K_stride_rc,
@@ -300,7 +311,8 @@ def _quantize_pack_kv_kernel(
     K_stride_ss, K_stride_sh,
     K_stride_zs, K_stride_zh,
     K_stride_bs, K_stride_bh,
-    V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC, V_BF16, V_BLOC, V_MULT, V_CODES_HI,
+    K_stride_eh,
+    V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC, V_BF16, V_BLOC, V_MULT, V_CODES_HI, V_CENTER,
     V_n_tokens, V_clip_ratio, V_scale_eps,
     V_stride_xn, V_stride_xh, V_stride_xd,
     V_stride_rh, V_stride_rr, V_stride_rc,
@@ -308,6 +320,7 @@ def _quantize_pack_kv_kernel(
     V_stride_ss, V_stride_sh,
     V_stride_zs, V_stride_zh,
     V_stride_bs, V_stride_bh,
+    V_stride_eh,
     Q_X, Q_OUT, q_scale,
     Q_stride_xn, Q_stride_xh, Q_stride_xd,
     Q_stride_on, Q_stride_oh,
@@ -316,31 +329,31 @@ def _quantize_pack_kv_kernel(
     ROT_FMA: tl.constexpr,
     STORE_CODES: tl.constexpr, STORE_BF16: tl.constexpr, MAX_CODE: tl.constexpr, META_FP8: tl.constexpr,
     KV_PROGRAMS: tl.constexpr,
-    ROTATE_Q: tl.constexpr, GQA: tl.constexpr,
+    ROTATE_Q: tl.constexpr, GQA: tl.constexpr, CENTER_K: tl.constexpr,
 ):
     """K and V of the same tokens in one launch: ``program_id(2)`` 0 writes K, 1 writes V (the two are independent,
     so their programs run side by side instead of one launch after the other). A single write launches it with a
     grid of depth 1 (``KV_PROGRAMS = 1``: the V arguments then repeat the K ones and are never read). With queries to
     rotate (grid depth ``KV_PROGRAMS + GQA``), program ``KV_PROGRAMS + j`` rotates query head ``h * GQA + j`` by
-    ``K_ROT[h]`` into ``Q_OUT``."""
+    ``K_ROT[h]`` into ``Q_OUT``. ``CENTER_K``: the first write's rows are centered (keys; values never are)."""
     if tl.program_id(2) == 0:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), K_X, K_ROT, K_CLIP, K_CODES, K_SCALE, K_ZERO, K_LOC,
-                            K_BF16, K_BLOC, K_MULT, K_CODES_HI, K_n_tokens, K_clip_ratio, K_scale_eps, K_stride_xn, K_stride_xh,
-                            K_stride_xd, K_stride_rh, K_stride_rr, K_stride_rc, K_stride_cs, K_stride_ch, K_stride_ss,
+                            K_BF16, K_BLOC, K_MULT, K_CODES_HI, K_CENTER, K_n_tokens, K_clip_ratio,
+                            K_scale_eps, K_stride_xn, K_stride_xh, K_stride_xd, K_stride_rh, K_stride_rr, K_stride_rc, K_stride_cs, K_stride_ch, K_stride_ss,
                             K_stride_sh, K_stride_zs, K_stride_zh, K_stride_bs, K_stride_bh,
-                            HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
+                            K_stride_eh, HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
                             ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
                             ROT_FMA=ROT_FMA, STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE,
-                            META_FP8=META_FP8)
+                            META_FP8=META_FP8, CENTER_ROWS=CENTER_K)
     elif tl.program_id(2) < KV_PROGRAMS:
         _quantize_pack_rows(tl.program_id(0), tl.program_id(1), V_X, V_ROT, V_CLIP, V_CODES, V_SCALE, V_ZERO, V_LOC,
-                            V_BF16, V_BLOC, V_MULT, V_CODES_HI, V_n_tokens, V_clip_ratio, V_scale_eps, V_stride_xn, V_stride_xh,
-                            V_stride_xd, V_stride_rh, V_stride_rr, V_stride_rc, V_stride_cs, V_stride_ch, V_stride_ss,
+                            V_BF16, V_BLOC, V_MULT, V_CODES_HI, V_CENTER, V_n_tokens, V_clip_ratio,
+                            V_scale_eps, V_stride_xn, V_stride_xh, V_stride_xd, V_stride_rh, V_stride_rr, V_stride_rc, V_stride_cs, V_stride_ch, V_stride_ss,
                             V_stride_sh, V_stride_zs, V_stride_zh, V_stride_bs, V_stride_bh,
-                            HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
+                            V_stride_eh, HEAD_DIM=HEAD_DIM, GROUP_SIZE=GROUP_SIZE, BLOCK_N=BLOCK_N, ROTATE=ROTATE,
                             ROT_PER_HEAD=ROT_PER_HEAD, CLIP_PER_HEAD=CLIP_PER_HEAD, PRECISION=PRECISION,
                             ROT_FMA=ROT_FMA, STORE_CODES=STORE_CODES, STORE_BF16=STORE_BF16, MAX_CODE=MAX_CODE,
-                            META_FP8=META_FP8)
+                            META_FP8=META_FP8, CENTER_ROWS=False)
     elif ROTATE_Q:  # a static branch: the query programs are compiled only when there are queries
         _rotate_q_rows(tl.program_id(0), tl.program_id(1), tl.program_id(2) - KV_PROGRAMS, Q_X, K_ROT, Q_OUT,
                        K_n_tokens, q_scale, Q_stride_xn, Q_stride_xh, Q_stride_xd, K_stride_rh, K_stride_rr,
@@ -360,9 +373,13 @@ def _check_clip(clip: float | torch.Tensor | None, hkv: int) -> float | torch.Te
 
 
 def _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult=None,
-                codes_hi=None):
+                codes_hi=None, center=None):
     """Shared by the kernel launcher and the reference: returns ``(g, clip)``."""
     n, hkv, d = x.shape
+    if center is not None and (center.dtype != torch.float32 or center.shape != (hkv, d) or center.stride(-1) != 1
+                               or center.device != x.device):
+        raise ValueError(f"center must be an fp32 [{hkv}, {d}] tensor on {x.device} with a contiguous last dim, got "
+                         f"{center.dtype} {tuple(center.shape)} on {center.device}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"x must be bf16/fp16/fp32, got {x.dtype}")
     if codes is None:
@@ -422,6 +439,7 @@ def quantize_pack(
     rot_rows: int = DEFAULT_ROT_ROWS,
     mult: torch.Tensor | None = None,
     codes_hi: torch.Tensor | None = None,
+    center: torch.Tensor | None = None,
 ) -> None:
     """Quantize new rows into their slots (and optionally store their rotated exact rows), in place, one launch.
 
@@ -451,9 +469,12 @@ def quantize_pack(
             see :mod:`oscar_kernels.layout`); None: fp16 metadata.
         codes_hi: 4-bit codes: their high 2-bit plane (uint8, ``codes``' shape and strides; ``codes`` gets the low
             plane, the scale spans 15 steps); None: 2-bit codes.
+        center: key centering: fp32 ``[Hkv, d]`` (contiguous last dim, on the rows' device) in the ROTATED basis,
+            natural element order, subtracted from every rotated row before its codes and its exact row are made
+            (``x' = x @ rot[h] - center[h]``); None: rows as they are.
     """
     args, meta = _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
-                              rot_precision, rot_rows, num_warps, mult, codes_hi)
+                              rot_precision, rot_rows, num_warps, mult, codes_hi, center)
     _launch(x.shape, args, args, meta, block_n, num_warps)
 
 
@@ -490,10 +511,11 @@ def _q_args(q: torch.Tensor, q_out: torch.Tensor, q_scale: float, k: torch.Tenso
 
 def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc,
                  rot_precision, rot_rows: int = DEFAULT_ROT_ROWS, num_warps: int = DEFAULT_WARPS,
-                 mult: torch.Tensor | None = None, codes_hi: torch.Tensor | None = None) -> tuple[list, dict]:
+                 mult: torch.Tensor | None = None, codes_hi: torch.Tensor | None = None,
+                 center: torch.Tensor | None = None) -> tuple[list, dict]:
     """Checked arguments of one K or V write: (pointer/scalar/stride list, compile-time parameters)."""
     g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult,
-                          codes_hi)
+                          codes_hi, center)
     n, hkv, d = x.shape
     if codes is None:
         check_group_size(d, g)
@@ -507,10 +529,12 @@ def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf
     four = store_codes and codes_hi is not None
     args = [
         x, rot_t, clip if per_head else x, c_t, s_t, z_t, l_t, b_t, bl_t, mult if fp8 else x, codes_hi if four else x,
+        x if center is None else center,
         n, DEFAULT_CLIP_RATIO if per_head else clip, SCALE_EPS,
         *x.stride(), *rot_strides,
         *(c_t.stride()[:2] if store_codes else (0, 0)), *(s_t.stride()[:2] if store_codes else (0, 0)),
         *(z_t.stride()[:2] if store_codes else (0, 0)), *(b_t.stride()[:2] if store_bf16 else (0, 0)),
+        0 if center is None else center.stride(0),
     ]
     fma = rot_precision == "fma"
     if not isinstance(rot_rows, int) or isinstance(rot_rows, bool) or rot_rows < 0 or rot_rows & (rot_rows - 1):
@@ -521,7 +545,7 @@ def _launch_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf
                 CLIP_PER_HEAD=per_head, PRECISION="ieee" if fma else rot_precision,
                 ROT_FMA=(rot_rows or fma_rot_rows(d, num_warps)) if fma else 0,
                 STORE_CODES=store_codes, STORE_BF16=store_bf16, MAX_CODE=15 if four else LEVELS,
-                META_FP8=fp8)
+                META_FP8=fp8, CENTER_K=center is not None)
     return args, meta
 
 
@@ -545,6 +569,7 @@ def quantize_pack_kv(
     q_out: torch.Tensor | None = None,
     q_scale: float = 1.0,
     rot_rows: int = DEFAULT_ROT_ROWS,
+    center_k: torch.Tensor | None = None,
 ) -> None:
     """:func:`quantize_pack` of the K and the V rows of the same tokens in one launch (grid ``[blocks, Hkv, 2]``).
 
@@ -559,17 +584,18 @@ def quantize_pack_kv(
     launch also writes ``q_out[n, h] = q[n, h] @ rot_k[h // (Hq / Hkv)] * q_scale`` (fp32 ``[N, Hq, d]``, contiguous
     last dim; grid ``[blocks, Hkv, 2 + Hq / Hkv]``), rotated as the K rows are (``rot_precision``): what a decode
     step's attention reads (:func:`rotate_q_ref` is the definition). A decode step thereby pays one launch for its
-    writes and its query rotation."""
+    writes and its query rotation. ``center_k``: the keys' center (:func:`quantize_pack`'s ``center``; the queries are
+    not shifted: the scores move by ``q·center`` for every row a query reads, which the softmax ignores)."""
     if v.shape != k.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     ko, vo = bf16_out if bf16_out is not None else (None, None)
     (kc, ks, kz, kmult, khi), (vc, vs, vz, vmult, vhi) = (_slots(k_slots), _slots(v_slots))
     ka, km = _launch_args(k, rot_k, clip_k, kc, ks, kz, out_cache_loc, group_size, ko, bf16_loc,
-                          rot_precision, rot_rows, num_warps, kmult, khi)
+                          rot_precision, rot_rows, num_warps, kmult, khi, center_k)
     va, vm = _launch_args(v, rot_v, clip_v, vc, vs, vz, out_cache_loc, group_size, vo, bf16_loc,
                           rot_precision, rot_rows, num_warps, vmult, vhi)
     qa, gqa = _q_args(q, q_out, q_scale, k, rot_k) if q is not None else (None, 1)
-    if km == vm:
+    if {**km, "CENTER_K": False} == vm:  # the centering is the K programs' only: one launch still
         _launch(k.shape, ka, va, km, block_n, num_warps, qa, gqa)
     else:
         _launch(k.shape, ka, ka, km, block_n, num_warps, qa, gqa)
@@ -610,14 +636,17 @@ def quantize_pack_ref(
     bf16_loc: torch.Tensor | None = None,
     mult: torch.Tensor | None = None,
     codes_hi: torch.Tensor | None = None,
+    center: torch.Tensor | None = None,
 ) -> None:
     """Plain fp32 torch definition of :func:`quantize_pack` (same arguments, same in-place writes)."""
     g, clip = _check_args(x, rot, clip, codes, scale, zero, out_cache_loc, group_size, bf16_out, bf16_loc, mult,
-                          codes_hi)
+                          codes_hi, center)
     n, hkv, d = x.shape
     xr = x.float()
     if rot is not None:
         xr = torch.einsum("nhd,hde->nhe", xr, rot.float().expand(hkv, d, d))
+    if center is not None:
+        xr = xr - center.float()
     if bf16_out is not None:
         keep = bf16_loc >= 0
         bf16_out[bf16_loc[keep].long()] = xr[keep].to(torch.bfloat16).to(bf16_out.device)
@@ -630,7 +659,10 @@ def quantize_pack_ref(
     half = (mx - mn) * 0.5 * r
     lo, hi = mid - half, mid + half
     top = 15 if codes_hi is not None else LEVELS
-    s16 = ((hi - lo) / top).clamp_min(SCALE_EPS)
+    # divided by a tensor, not by the number: torch on CUDA computes ``tensor / number`` as ``tensor * fp32(1 /
+    # number)``, one fp32 ulp off the correctly rounded quotient for some inputs (enough to move an fp16 scale one
+    # step), while the definition, the kernel's div_rn and torch on the CPU round the quotient itself
+    s16 = ((hi - lo) / torch.full_like(hi, top)).clamp_min(SCALE_EPS)
     if mult is None:
         s16, z16 = s16.to(torch.float16), lo.to(torch.float16)
         sf, zf = s16.float(), z16.float()

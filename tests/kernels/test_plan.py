@@ -32,7 +32,10 @@ class Engine:
         clip_k = 0.6 + 0.4 * torch.rand(1, hkv, generator=gen)
         clip_v = 0.6 + 0.4 * torch.rand(1, hkv, generator=gen)
         slots = reqs * max_ctx + 9
-        self.pool = Int2KVPool(scheme, 1, hkv, d, slots, reqs, rot_k, rot_v, clip_k, clip_v, device=DEVICE)
+        # centered keys: a center far from the keys' own mean, so an uncentered store would read differently
+        self.center = (torch.randn(1, hkv, d, generator=gen) * 3 + 2) if scheme.center_keys else None
+        self.pool = Int2KVPool(scheme, 1, hkv, d, slots, reqs, rot_k, rot_v, clip_k, clip_v, device=DEVICE,
+                               center_k=self.center)
         poison_kv_pool(self.pool, gen)
         perm = torch.randperm(slots, generator=gen)[: reqs * max_ctx]
         self.req_to_token = perm.view(reqs, max_ctx).to(DEVICE, torch.int32)
@@ -43,7 +46,10 @@ class Engine:
 
     def _ref(self, req: int, start: int, positions: list[int]) -> torch.Tensor:
         c = self.pool.layer(0)
-        hist = History(self.k[req, : positions[-1] + 1].float(), self.v[req, : positions[-1] + 1].float(), start)
+        k = self.k[req, : positions[-1] + 1].float()
+        if self.center is not None:  # Design P of the centered keys: the softmax ignores the shift q·center
+            k = k - self.center[0].to(k.device)
+        hist = History(k, self.v[req, : positions[-1] + 1].float(), start)
         return design_p_ref(self.q[req, positions], hist, positions, c.rot_k, c.rot_v, c.clip_k, c.clip_v,
                             self.scheme.sink, self.scheme.recent, self.pool.group_size)
 
@@ -88,6 +94,7 @@ CASES = [  # scheme, hkv, gqa, d, prefill lengths, starts
     (QuantScheme(group=32, sink=3, recent=6), 2, 4, 64, [20, 9, 33], [0, 2, 0]),
     (QuantScheme(group=0, sink=0, recent=4), 2, 2, 128, [17, 1, 30], [0, 0, 4]),  # row-scale decode path
     (QuantScheme(group=0, sink=2, recent=0), 1, 8, 64, [12, 25, 5], [1, 0, 0]),  # own key through INT2
+    (QuantScheme(group=32, sink=3, recent=6, center_keys=True), 2, 4, 64, [20, 9, 33], [0, 2, 0]),  # centered keys
 ]
 
 

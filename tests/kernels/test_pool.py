@@ -200,3 +200,41 @@ def test_mixed_widths_pool():
     assert narrow.layer(0).k.bits == narrow.layer(0).v.bits == 4
     with pytest.raises(SchemeError, match="3 layers"):
         Int2KVPool(QuantScheme(group=32, bits_k=(2, 4, 2), bits_v=(2, 2, 2)), L, HKV, D, 8, 1, rot, rot)
+
+
+def test_centered_keys_pool():
+    """``center_keys``: the centers are required, held per layer in each head's rotated basis, and every key row the
+    pool stores (codes and exact rows, through ``write`` and ``write_exact``) is the rotated row minus that center;
+    values are never centered."""
+    gen = torch.Generator().manual_seed(8)
+    scheme = QuantScheme(group=32, sink=2, recent=4, center_keys=True)
+    rot = torch.stack([random_rotation(HKV, D, gen) for _ in range(L)])
+    center = torch.randn(L, HKV, D, generator=gen) + 2
+    with pytest.raises(SchemeError, match="center_k"):
+        Int2KVPool(scheme, L, HKV, D, 8, 1, rot, rot)
+    with pytest.raises(ValueError, match="center_k must be"):
+        Int2KVPool(scheme, L, HKV, D, 8, 1, rot, rot, center_k=center[:, :1])
+    pool = Int2KVPool(scheme, L, HKV, D, 40, 3, rot, rot.flip(0), device=DEVICE, center_k=center)
+    plain = Int2KVPool(QuantScheme(group=32, sink=2, recent=4), L, HKV, D, 40, 3, rot, rot.flip(0), device=DEVICE)
+    c = pool.layer(1)
+    # rot is on DEVICE (random_rotation puts it there), center on the CPU: the expected center is made on the CPU
+    torch.testing.assert_close(c.center_k.cpu(), torch.einsum("hd,hde->he", center[1], rot[1].cpu()))
+    assert plain.layer(1).center_k is None and pool.nbytes == plain.nbytes + L * HKV * D * 4
+    n = 9
+    k = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.randn(n, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    loc = torch.randperm(40, generator=gen)[:n].to(DEVICE)
+    rows = torch.randperm(pool.rows_per_request * 3, generator=gen)[:n].to(DEVICE)
+    pool.write(1, loc, k, v, bf16_loc=rows)
+    want_k = Int2Pool.empty(40, HKV, D, 32, device=DEVICE)
+    out = torch.empty(pool.rows_per_request * 3, HKV, D, dtype=torch.bfloat16, device=DEVICE)
+    quantize_pack_ref(k, c.rot_k, 1.0, want_k.codes, want_k.scale, want_k.zero, loc, 32, bf16_out=out, bf16_loc=rows,
+                      center=c.center_k)
+    lo, ro = loc.long(), rows.long()
+    torch.testing.assert_close(c.k.dequantize(lo), want_k.dequantize(lo), atol=0.05, rtol=0.05)
+    torch.testing.assert_close(c.k_bf16[ro].float(), out[ro].float(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(c.v_bf16[ro].float(), torch.einsum("nhd,hde->nhe", v.float(), c.rot_v.cpu().to(DEVICE)),
+                               atol=3e-2, rtol=2e-2)  # values: rotated only
+    c.k_bf16.fill_(float("nan"))
+    pool.write_exact(1, rows, k, v)  # un-rotated input: rotated and centered here
+    torch.testing.assert_close(c.k_bf16[ro].float(), out[ro].float(), atol=2e-2, rtol=1e-2)

@@ -88,6 +88,27 @@ def test_kernel_prerotated_is_bit_exact(d, group, dtype):
     assert torch.isfinite(got[1][loc]).all() and torch.isnan(got[1][free]).all()  # written / untouched
 
 
+def test_scale_is_one_rounded_division():
+    """``scale = fp16((hi - lo) / 3)`` with the quotient rounded once, in the kernel and in the reference, on any device
+    (torch on CUDA computes ``tensor / 3`` as ``tensor * fp32(1/3)``): a group whose ``(hi - lo) / 3`` lies just
+    below an fp16 rounding boundary, where the reciprocal's product rounds to the fp16 step above."""
+    w = 13.001952171325684  # an fp32 value: w / 3 = 4.3339840..., fp16's boundary 4.333984375 two thirds of an fp32 ulp up
+    exact = (torch.tensor(w) / torch.tensor(3.0)).half()
+    assert exact != (torch.tensor(w) * torch.tensor(1 / 3)).half()  # the case tells the two apart
+    d = 32
+    x = torch.zeros(1, 1, d)
+    x[0, 0, 5] = w  # one group: min 0, max w, so lo = 0 and hi = w exactly at clip 1
+    x = x.to(DEVICE)
+    loc = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    got = _pools(1, 1, d, d, torch.Generator().manual_seed(0))
+    want = tuple(t.clone() for t in got)
+    quantize_pack(x, None, 1.0, *got, loc, d)
+    quantize_pack_ref(x, None, 1.0, *want, loc, d)
+    assert got[1].item() == want[1].item() == exact.item()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("group", ["row", 32])
 @pytest.mark.parametrize("path", ["dot", "fma", "fma-all-rows"])
@@ -307,12 +328,51 @@ def test_bf16_rows_at_a_second_index_list(rotate, store_codes):
             assert _equal(a, b)
 
 
-@pytest.mark.parametrize("case", ["same", "mixed"])
-def test_kv_pair_is_two_single_launches(case):
+@pytest.mark.parametrize("d,group,rotate", [(64, 32, False), (128, "row", True)])
+def test_kernel_centered_rows(d, group, rotate):
+    """Key centering: every stored row is ``x @ R - c[h]`` (codes, scales and the exact row); pre-rotated rows are
+    bit-exact against the definition, and a centered write of ``x`` equals an uncentered write of ``x - c R^T``."""
+    g = d if group == "row" else group
+    gen = torch.Generator().manual_seed(d + 17 * rotate)
+    hkv, slots, rows = 3, N_TOK + 4, N_TOK + 2
+    x = _x(N_TOK, hkv, d, gen, torch.float32)
+    rot = random_rotation(hkv, d, gen) if rotate else None
+    center = (torch.randn(hkv, d, generator=gen) * 2 + 1).to(DEVICE)
+    loc = torch.randperm(slots, generator=gen)[:N_TOK].to(DEVICE)
+    bloc = torch.randperm(rows, generator=gen)[:N_TOK].to(DEVICE)
+    bloc[::4] = -1
+    got = _pools(slots, hkv, d, g, gen)
+    want = tuple(t.clone() for t in got)
+    out = torch.full((rows, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    want_out = out.clone()
+    quantize_pack(x, rot, 0.9, *got, loc, g, bf16_out=out, bf16_loc=bloc, center=center)
+    quantize_pack_ref(x, rot, 0.9, *want, loc, g, bf16_out=want_out, bf16_loc=bloc, center=center)
+    lo, kept = loc.long(), bloc[bloc >= 0].long()
+    if rotate:  # fused rotation: fp32 sums in another order
+        cg, cw = unpack(got[0][lo], 2, g).int(), unpack(want[0][lo], 2, g).int()
+        assert (cg - cw).abs().max() <= 1 and (cg != cw).float().mean() < 2e-3
+        torch.testing.assert_close(got[1][lo], want[1][lo], atol=1e-4, rtol=2e-3)
+        torch.testing.assert_close(out[kept].float(), want_out[kept].float(), atol=2e-2, rtol=1e-2)
+    else:
+        for a, b in zip((*got, out), (*want, want_out), strict=True):
+            assert torch.equal(a.nan_to_num(-7.0) if a.is_floating_point() else a,
+                               b.nan_to_num(-7.0) if b.is_floating_point() else b)
+    # the center is really applied: the same write uncentered of the shifted rows stores the same rows
+    shifted = tuple(t.clone() for t in want)
+    r = torch.eye(d, device=DEVICE).expand(hkv, d, d) if rot is None else rot.to(DEVICE)
+    quantize_pack_ref(x - torch.einsum("he,hde->hd", center, r)[None], rot, 0.9, *shifted, loc, g)
+    a, b = dequantize_ref(*(t[lo] for t in shifted), g), dequantize_ref(*(t[lo] for t in want), g)
+    assert (a - b).abs().mean() < 1e-3 * b.abs().mean()  # fp32 rounding may move a rare code at a boundary
+    with pytest.raises(ValueError, match="center must be an fp32"):
+        quantize_pack(x, rot, 0.9, *got, loc, g, center=center[:, :-1])
+
+
+@pytest.mark.parametrize("case", ["same", "mixed", "centered"])
+def test_kv_pair_is_two_single_launches(case, monkeypatch):
     """``quantize_pack_kv`` writes exactly what ``quantize_pack`` of K and then of V writes: in one launch when both
-    compile alike ("same": rotated, per-head clips, codes and exact rows), in two when they differ ("mixed": V
-    pre-rotated with a scalar clip)."""
-    from oscar_kernels import quantize_pack_kv
+    compile alike ("same": rotated, per-head clips, codes and exact rows; "centered": keys centered as well), in two
+    when they differ ("mixed": V pre-rotated with a scalar clip)."""
+    from oscar_kernels import quantize_pack_kv, write
 
     d, hkv, g = 64, 2, 32
     gen = torch.Generator().manual_seed(91 + (case == "mixed"))
@@ -322,6 +382,7 @@ def test_kv_pair_is_two_single_launches(case):
     ck, cv = torch.tensor([0.9, 0.7], device=DEVICE), torch.tensor([0.8, 1.0], device=DEVICE)
     if case == "mixed":
         rv, cv = None, 0.85
+    center = torch.randn(hkv, d, generator=gen).to(DEVICE) if case == "centered" else None
     loc = torch.randperm(slots, generator=gen)[:N_TOK].to(DEVICE)
     bloc = torch.randperm(rows, generator=gen)[:N_TOK].to(DEVICE, torch.int32)
     bloc[1::3] = -1
@@ -329,8 +390,13 @@ def test_kv_pair_is_two_single_launches(case):
     want = [tuple(t.clone() for t in p) for p in pools]
     out = [torch.full((rows, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
     want_out = [t.clone() for t in out]
-    quantize_pack_kv(k, v, rk, rv, ck, cv, pools[0], pools[1], loc, g, bf16_out=tuple(out), bf16_loc=bloc)
-    quantize_pack(k, rk, ck, *want[0], loc, g, bf16_out=want_out[0], bf16_loc=bloc)
+    launches = []
+    real = write._launch
+    monkeypatch.setattr(write, "_launch", lambda *a, **kw: (launches.append(1), real(*a, **kw)))
+    quantize_pack_kv(k, v, rk, rv, ck, cv, pools[0], pools[1], loc, g, bf16_out=tuple(out), bf16_loc=bloc,
+                     center_k=center)
+    assert len(launches) == (2 if case == "mixed" else 1)
+    quantize_pack(k, rk, ck, *want[0], loc, g, bf16_out=want_out[0], bf16_loc=bloc, center=center)
     quantize_pack(v, rv, cv, *want[1], loc, g, bf16_out=want_out[1], bf16_loc=bloc)
     for got, exp in zip([*pools[0], *pools[1], *out], [*want[0], *want[1], *want_out], strict=True):
         assert torch.equal(got.view(torch.uint8) if got.dtype != torch.uint8 else got,

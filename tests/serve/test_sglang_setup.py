@@ -54,6 +54,10 @@ def test_slice_for_rank_keeps_each_ranks_heads():
     assert torch.equal(torch.cat([p["mult_k"] for p in parts], dim=1), t["mult_k"])
     stacked = layer_stack(parts[1], [0, 1, 2], num_layers=2, start=1)
     assert torch.equal(stacked["mult_k"], t["mult_k"][1:, 2:]) and "mult_v" not in stacked
+    t["center_k"] = torch.randn(3, 4, 5)  # a centered artifact's key centers [n, Hkv, d]: each rank its heads'
+    parts = [slice_for_rank(t, kv_heads=4, tp_size=2, rank=r) for r in range(2)]
+    assert torch.equal(torch.cat([p["center_k"] for p in parts], dim=1), t["center_k"])
+    assert torch.equal(layer_stack(parts[0], [0, 1, 2], num_layers=3)["center_k"], t["center_k"][:, :2])
 
 
 def test_shared_rotation_is_kept_on_every_rank():
@@ -296,13 +300,12 @@ def test_unquantized_layers_unsupported_scheme_and_tp_are_refused():
     art = fake_artifact(scheme=QuantScheme(bits=4, group=16))
     assert any("cannot run in the kernels" in p for p in model_refusals(art.manifest, facts())[0])
     n = facts().num_layers
-    for scheme in (QuantScheme(group=16, levels="fitted"), QuantScheme(group=16, scale_dtype="fp8", center_keys=True)):
-        problems = model_refusals(fake_artifact(scheme=scheme).manifest, facts())[0]
-        assert any("cannot run in the kernels" in p and "without --center-keys and --levels" in p
-                   for p in problems), problems
-    for scheme in (QuantScheme(scale_dtype="fp8"), QuantScheme(bits_k=(4,) + (2,) * (n - 1), bits_v=(2,) * n)):
+    problems = model_refusals(fake_artifact(scheme=QuantScheme(group=16, levels="fitted")).manifest, facts())[0]
+    assert any("cannot run in the kernels" in p and "without --levels" in p for p in problems), problems
+    for scheme in (QuantScheme(scale_dtype="fp8"), QuantScheme(bits_k=(4,) + (2,) * (n - 1), bits_v=(2,) * n),
+                   QuantScheme(scale_dtype="fp8", center_keys=True)):
         served = model_refusals(fake_artifact(d=SERVED_D, scheme=scheme).manifest, facts(d=SERVED_D))[0]
-        assert not any("cannot run in the kernels" in p for p in served), served  # FP8 scales, an allocation
+        assert not any("cannot run in the kernels" in p for p in served), served  # FP8, an allocation, centering
     assert any("--tp-size 3" in p for p in model_refusals(fake_artifact().manifest, facts(), tp_size=3)[0])
 
 

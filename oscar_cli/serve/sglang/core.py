@@ -48,6 +48,7 @@ class OscarKV:
         finish_anchors: take an anchor when a request finishes (only exact when no forward can still run for it
             after its finish is processed, i.e. without SGLang's overlap scheduling).
         mult_k, mult_v: FP8 scales only: fp32 ``[L, Hkv]`` per-head multipliers (this rank's heads).
+        center_k: centered keys only: fp32 ``[L, Hkv, d]`` key centers (this rank's heads).
         start_layer: the model layer of the pool's first (an allocated scheme's widths are the model's layers').
     """
 
@@ -55,10 +56,11 @@ class OscarKV:
                  request_slots: int, rot_k: torch.Tensor, rot_v: torch.Tensor, clip_k: torch.Tensor,
                  clip_v: torch.Tensor, anchors: int, anchor_interval: int, device: torch.device | str | None = None,
                  finish_anchors: bool = False, mult_k: torch.Tensor | None = None,
-                 mult_v: torch.Tensor | None = None, start_layer: int = 0):
+                 mult_v: torch.Tensor | None = None, start_layer: int = 0, center_k: torch.Tensor | None = None):
         widths = [(scheme.width(i, "k"), scheme.width(i, "v")) for i in range(start_layer, start_layer + num_layers)]
         self.pool = Int2KVPool(scheme, num_layers, kv_heads, head_dim, num_slots, request_slots + anchors,
-                               rot_k, rot_v, clip_k, clip_v, device, mult_k=mult_k, mult_v=mult_v, widths=widths)
+                               rot_k, rot_v, clip_k, clip_v, device, mult_k=mult_k, mult_v=mult_v, widths=widths,
+                               center_k=center_k)
         self.table = AnchorTable(num_slots, anchors, device)
         self.request_slots = request_slots
         self.anchor_interval = anchor_interval

@@ -187,7 +187,8 @@ def pool_class():
                                  setup.request_slots, setup.rot_k, setup.rot_v, setup.clip_k, setup.clip_v,
                                  setup.settings.anchors, setup.settings.anchor_interval, device=kvc.device,
                                  finish_anchors=bool(kvc.server_args.disable_overlap_schedule),
-                                 mult_k=setup.mult_k, mult_v=setup.mult_v, start_layer=setup.start_layer)
+                                 mult_k=setup.mult_k, mult_v=setup.mult_v, start_layer=setup.start_layer,
+                                 center_k=setup.center_k)
             self._finalize_allocation_log(size)
 
         def get_kv_size_bytes(self):

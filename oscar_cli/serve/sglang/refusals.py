@@ -208,9 +208,9 @@ def model_refusals(manifest: Any, facts: ModelFacts, tp_size: int = 1, load_form
         sch = manifest.scheme
         if cuda_only:
             fix = "serve it with `oscar serve --engine transformers`"
-        elif sch.center_keys or sch.levels != "uniform":
-            fix = ("the kernels serve uniform levels on uncentered keys (2- or 4-bit codes, fp16 or fp8 scales): fit "
-                   "without --center-keys and --levels, or serve it with `oscar serve --engine transformers`")
+        elif sch.levels != "uniform":
+            fix = ("the kernels serve uniform levels (2- or 4-bit codes, fp16 or fp8 scales, keys centered or not): fit "
+                   "without --levels, or serve it with `oscar serve --engine transformers`")
         else:
             fix = "fit with --bits 2 and a power-of-two group"
         out.append(f"scheme {manifest.scheme.describe()} cannot run in the kernels: {why}; {fix}")

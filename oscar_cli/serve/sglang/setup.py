@@ -54,6 +54,8 @@ class RankSetup:
     mult_k: torch.Tensor | None = None
     """FP8 scales: the per-head multipliers ``[L, Hkv]`` (None with fp16 scales)."""
     mult_v: torch.Tensor | None = None
+    center_k: torch.Tensor | None = None
+    """Centered keys: the key centers ``[L, Hkv, d]`` (model basis; None when the scheme does not center)."""
 
 
 def rank_setup(settings: OscarSettings, artifact: Artifact, facts: ModelFacts, *, tp_size: int, tp_rank: int,
@@ -73,4 +75,4 @@ def rank_setup(settings: OscarSettings, artifact: Artifact, facts: ModelFacts, *
                      num_layers=num_layers, kv_heads=len(heads), q_heads=q_heads, head_dim=facts.head_dim,
                      rot_k=t["r_k"], rot_v=t["r_v"], clip_k=t["clip_k"], clip_v=t["clip_v"],
                      request_slots=request_slots, budget=b, notes=tuple(notes), mult_k=t.get("mult_k"),
-                     mult_v=t.get("mult_v"))
+                     mult_v=t.get("mult_v"), center_k=t.get("center_k") if scheme.center_keys else None)

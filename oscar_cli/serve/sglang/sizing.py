@@ -64,8 +64,9 @@ def budget(scheme: QuantScheme, num_layers: int, kv_heads: int, head_dim: int, q
     eye = torch.eye(head_dim).expand(num_layers, 1, head_dim, head_dim)
     ones = torch.ones(num_layers, kv_heads) if scheme.scale_dtype == "fp8" else None  # multipliers: any value
     widths = [(scheme.width(i, "k"), scheme.width(i, "v")) for i in range(start_layer, start_layer + num_layers)]
+    centers = torch.zeros(num_layers, kv_heads, head_dim) if scheme.center_keys else None  # any value
     unit = Int2KVPool(scheme, num_layers, kv_heads, head_dim, 1, 1, eye, eye, device="cpu", mult_k=ones, mult_v=ones,
-                      widths=widths)
+                      widths=widths, center_k=centers)
     workspace = DecodePlan(unit, request_slots, max_seq_len, q_heads=q_heads).workspace_bytes() \
         + ExtendPlan(unit, request_slots, max_tokens, max_seq_len).workspace_bytes()
     return Budget(cell=unit.cell_bytes, bf16_cell=bf16_cell_bytes(num_layers, kv_heads, head_dim),

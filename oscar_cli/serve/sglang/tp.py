@@ -14,8 +14,9 @@ from .refusals import ServeRefusal, tp_refusal
 
 PER_HEAD_KEYS = ("r_k", "r_v", "clip_k", "clip_v")
 """Artifact tensors with a head axis (axis 1): ``r_*`` ``[n, h, d, d]``, ``clip_*`` ``[n, h]``."""
-OPTIONAL_PER_HEAD_KEYS = ("mult_k", "mult_v")
-"""Per-head tensors an artifact holds for some schemes only: the FP8 multipliers ``mult_*`` ``[n, Hkv]``."""
+OPTIONAL_PER_HEAD_KEYS = ("mult_k", "mult_v", "center_k")
+"""Per-head tensors an artifact holds for some schemes only: the FP8 multipliers ``mult_*`` ``[n, Hkv]``, the key
+centers ``center_k`` ``[n, Hkv, d]``."""
 
 
 def rank_heads(kv_heads: int, tp_size: int, rank: int) -> range:
