@@ -6,7 +6,8 @@ path for models the SGLang plugin does not serve (gemma-3's sliding-window layer
 
     python benchmarks/ruler_server.py prepare --model gemma3-270m --store DIR --out R.json.gz
     python benchmarks/ruler_hf.py --requests R.json.gz --model gemma3-270m|FILE.gguf|FOLDER --store DIR \\
-        --config NAME --method METHOD [--artifact PATH] [--sink 16 --recent 64] [--batch 16] --out DIR
+        --config NAME --method METHOD [--artifact PATH] [--sink 16 --recent 64] [--batch 16] [--batch-tokens N] \
+        --out DIR
     python benchmarks/ruler_server.py score --requests R.json.gz --answers DIR --plot PNG
 
 Requests are answered in batches of one task and length (the same answer budget), left-padded (OscarCache keeps
@@ -27,15 +28,20 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def batches(reqs: list[dict], size: int) -> list[list[dict]]:
-    """Requests grouped by (task, length, answer budget), longest prompt first, cut into batches of ``size``."""
+def batches(reqs: list[dict], size: int, tokens: int) -> list[list[dict]]:
+    """Requests grouped by (task, length, answer budget), longest prompt first, cut into batches of at most ``size``
+    requests and ``tokens`` padded prompt tokens (at least one request)."""
     groups: dict[tuple, list[dict]] = {}
     for r in reqs:
         groups.setdefault((r["task"], r["doc"].get("max_length", 0), r["max_new_tokens"]), []).append(r)
     out = []
     for key in sorted(groups):
         g = sorted(groups[key], key=lambda r: -len(r["ids"]))
-        out += [g[i : i + size] for i in range(0, len(g), size)]
+        i = 0
+        while i < len(g):
+            n = max(1, min(size, tokens // max(1, len(g[i]["ids"]))))
+            out.append(g[i : i + n])
+            i += n
     return out
 
 
@@ -68,7 +74,7 @@ def answer(args) -> dict:
     longest = max(r["doc"].get("max_length", 0) for r in reqs)
     answers, errors, bits, backends = {}, [], [], set()
     t0 = time.perf_counter()
-    todo = batches(reqs, args.batch)
+    todo = batches(reqs, args.batch, args.batch_tokens)
     for k, group in enumerate(todo):
         n = max(len(r["ids"]) for r in group)
         ids = torch.full((len(group), n), pad, dtype=torch.long)
@@ -109,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--artifact", default=None)
     p.add_argument("--sink", type=int, default=16, help="data-free methods' exact leading tokens")
     p.add_argument("--recent", type=int, default=64, help="data-free methods' exact recent tokens")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16, help="requests per batch at most")
+    p.add_argument("--batch-tokens", type=int, default=32768,
+                   help="padded prompt tokens per batch at most (the reference attention holds a batch's scores)")
     p.add_argument("--device", default=None)
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True, help="folder for ruler-<config>.json")
