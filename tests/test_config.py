@@ -42,6 +42,7 @@ def test_shipped_recipes_mean_what_they_say():
     gemma = load_recipe(RECIPES / "gemma3-270m.yaml")
     assert gemma.model == "gemma3-270m" and gemma.fit.scheme.scale_dtype == "fp8"
     assert (gemma.fit.bits_per_element, gemma.fit.context, gemma.fit.clip_criterion) == (2.5, 32768, "layer-local")
+    assert gemma.fit.key_split == 64 and gemma.fit.scheme.resolved(256).check_split(256) == 256
 
 
 def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path):
