@@ -130,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     # the allocated fits use the recipe's clip criterion (the recipe is what `oscar fit` runs)
     alloc_clips = dict(clip_criterion=base_cfg.clip_criterion, sensitivity_tokens=args.sensitivity_tokens)
     clips_label = "clips by logit-KL" if base_cfg.clip_criterion == "logit-kl" else "each layer's own clips"
+    uniform_bits = fp8_scheme.resolved(d).bits_per_element(d)
     for b in budgets:
-        cfg = dataclasses.replace(fp8, bits_per_element=b, **alloc_clips)
+        # the recipe's split keys are a choice of the allocation (offered where the budget buys anything)
+        split = base_cfg.key_split if b > uniform_bits + 1e-9 else 0
+        cfg = dataclasses.replace(fp8, bits_per_element=b, key_split=split, **alloc_clips)
         path, manifest = run_fit(store, args.run, cfg, tmp, "", measured=measured)
-        fits[f"oscar, allocated @{b:g}, fp8 scales, {clips_label}"] = path
+        fits[f"oscar, allocated @{b:g}{f' (split keys {split})' if split else ''}, fp8 scales, {clips_label}"] = path
         if "allocation" in manifest.metrics:  # a budget at the uniform scheme's bits allocates nothing
             measured = (Sensitivity.from_dict(manifest.metrics["sensitivity"]),
                         manifest.metrics["allocation"]["layer_tokens"], manifest.metrics.get("clip_scale"))
