@@ -19,7 +19,7 @@ from oscar_cli.artifact import load_artifact
 load_artifact(Path(sys.argv[2]), load_model(sys.argv[1], Path(sys.argv[3])).fingerprint)' "$MODEL" "$ART" "$STORE"; then
   echo "carried artifact unusable here; fitting one on this machine" >&2
   oscar collect --model "$MODEL" --store "$STORE" --tokens 16384 --seq-len 512 --batch-size 8 --device cuda
-  oscar fit --store "$STORE" --artifacts "$OUT_DIR/artifacts" --method oscar --per-head --sink 16 --recent 64
+  oscar fit --store "$STORE" --artifacts "$OUT_DIR/artifacts" --no-recipe --method oscar --per-head --sink 16 --recent 64
   methods="bf16,int2-hadamard,oscar@latest"
 fi
 for mode in decode teacher-forced; do

@@ -56,7 +56,7 @@ PY
         hadamard) flags=(--method hadamard --no-clip --per-head) ;;
       esac
       rm -rf .whl/fits-$kind
-      .venv/bin/oscar fit --store .oscar --layers all "${flags[@]}" --bits 2 --group 0 --sink 16 --recent 64 \
+      .venv/bin/oscar fit --store .oscar --no-recipe --layers all "${flags[@]}" --bits 2 --group 0 --sink 16 --recent 64 \
         --artifacts .whl/fits-$kind > /dev/null
       cp -r "$(ls -d .whl/fits-$kind/*/v* | sort -V | tail -1)" .whl/h200/artifact-$kind
     fi

@@ -402,6 +402,17 @@ def _build(cls, section: dict[str, Any], where: str):
         raise ConfigError(f"bad value in {where}: {e}") from None
 
 
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+"""Where each model's recipe lives (``recipes/<model-slug>.yaml`` in a checkout): ``oscar fit`` without ``--recipe``
+fits a run with its model's recipe when there is one (:func:`default_recipe`)."""
+
+
+def default_recipe(model_slug: str) -> Path | None:
+    """The recipe of a model, ``recipes/<model_slug>.yaml``, when the checkout holds one (None otherwise)."""
+    path = RECIPES_DIR / f"{model_slug}.yaml"
+    return path if path.is_file() else None
+
+
 def load_recipe(path: Path) -> Recipe:
     """Parse a recipe YAML; unknown keys anywhere, and thresholds about methods or tasks the recipe does not
     evaluate, are errors."""

@@ -39,7 +39,7 @@ tests are marked ``gpu`` at collection, and ``make gpu-test`` runs ``-m gpu``. A
 with an explicit ``@pytest.mark.gpu`` (which also keeps a slow kernel test in it)."""
 TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja")
 COLLECT = ["--tokens", "16384", "--seq-len", "512", "--batch-size", "8"]
-FIT = ["--per-head", "--sink", "16", "--recent", "64"]
+FIT = ["--no-recipe", "--per-head", "--sink", "16", "--recent", "64"]
 
 
 # ---------------------------------------------------------------- options: the random order, the GPU suite's marker

@@ -191,6 +191,31 @@ def test_a_tampered_artifact_is_refused(tmp_path, tiny_store):
     one_line_error(invoke("inspect", "latest", "--store", tiny_store), "content hash mismatch")
 
 
+def test_fit_without_a_recipe_takes_the_models_recipe(tmp_path, tiny_store, monkeypatch):
+    """``oscar fit`` with no ``--recipe`` fits with ``recipes/<model>.yaml`` when there is one (flags override its
+    fields); ``--no-recipe`` takes the built-in defaults; a model without a recipe gets the defaults."""
+    from oscar_cli import config
+    from oscar_cli.artifact import load_artifact
+
+    arts = tmp_path / "artifacts"
+    slug = Store(tiny_store).get_run("latest").model_slug
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    monkeypatch.setattr(config, "RECIPES_DIR", recipes)
+    assert invoke("fit", "--store", tiny_store, "--artifacts", arts, "--layers", "0-1").exit_code == 0  # no recipe
+    (recipes / f"{slug}.yaml").write_text(f"model: {slug}\nfit:\n  scheme:\n    sink: 3\n    recent: 5\n")
+    r = invoke("fit", "--store", tiny_store, "--artifacts", arts, "--layers", "0-1")
+    assert r.exit_code == 0 and "the model's" in r.output, r.output
+    r = invoke("fit", "--store", tiny_store, "--artifacts", arts, "--layers", "0-1", "--recent", "7")
+    assert r.exit_code == 0, r.output
+    assert invoke("fit", "--store", tiny_store, "--artifacts", arts, "--layers", "0-1", "--no-recipe").exit_code == 0
+    schemes = [load_artifact(next(arts.glob(f"*/v{v}"))).scheme for v in (1, 2, 3, 4)]
+    assert [(s.sink, s.recent) for s in schemes] == [(64, 256), (3, 5), (3, 7), (64, 256)]
+    assert "recipe: " not in invoke("fit", "--store", tiny_store, "--artifacts", arts, "--no-recipe").output
+    one_line_error(invoke("fit", "--store", tiny_store, "--artifacts", arts, "--recipe", recipes / f"{slug}.yaml",
+                          "--no-recipe"), "exclude each other")
+
+
 @pytest.mark.slow
 def test_embedded_default_end_to_end(embedded_store, embedded_artifact):
     """>= 16k calibration tokens on SmolLM2-135M; the artifact must beat identity and Hadamard on most layers."""

@@ -49,6 +49,8 @@ def fit(
     model: Annotated[str | None, typer.Option(help="The run's model for the sensitivity pass (default: the store's "
                                                "copy or the embedded model of the run's name).")] = None,
     recipe: RecipeOpt = None,
+    no_recipe: Annotated[bool, typer.Option("--no-recipe", help="Without --recipe, fit with the built-in defaults "
+                                            "instead of the run's model's recipe (recipes/<model>.yaml).")] = False,
     store: StoreOpt = DEFAULTS["store"],
     artifacts: ArtifactsOpt = DEFAULTS["artifacts"],
     json_out: JsonOpt = False,
@@ -56,16 +58,25 @@ def fit(
     """Fit R = U·P·H per layer (and clip ratios) from a calibration run and write artifacts/<model>/v<N>/.
 
     The artifact's manifest records the quant scheme (bits, group, sink, recent): eval, the cache and serve run it.
+    Without --recipe the run's model's recipe (recipes/<model>.yaml, the best fit measured for it) is the base when
+    there is one; flags override its fields; --no-recipe starts from the built-in defaults.
 
     Example: oscar fit --run latest --layers all --method oscar --group 0 --sink 64 --recent 256
     """
     import dataclasses
     import json
 
-    from ..config import FitConfig, load_recipe
+    from ..config import ConfigError, FitConfig, default_recipe, load_recipe
     from ..jobs import check_fit, run_fit
     from ..store import Store
 
+    if recipe and no_recipe:
+        raise ConfigError("--recipe and --no-recipe exclude each other; pass one")
+    st = Store(store, create=False)
+    if recipe is None and not no_recipe:
+        recipe = default_recipe(st.get_run(run).model_slug)
+        if recipe is not None:
+            out.print(f"recipe: {recipe} (the model's; --no-recipe fits with the built-in defaults)")
     rec = load_recipe(recipe) if recipe else None
     base = rec.fit if rec else FitConfig()
     scheme = dataclasses.replace(base.scheme, **{k: v for k, v in dict(bits=bits, group=group, sink=sink, recent=recent,
@@ -80,7 +91,6 @@ def fit(
                  if v is not None}
     cfg = dataclasses.replace(base, scheme=scheme, **overrides)
     recipe_text = rec.source if rec else _recipe_yaml(cfg)
-    st = Store(store, create=False)
     check_fit(st, run, cfg)
     with step_progress("fit layers, then sensitivity passes") as update:
         path, manifest = run_fit(st, run, cfg, artifacts, recipe_text, progress=update, sensitivity_progress=update)
