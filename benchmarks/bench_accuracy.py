@@ -191,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     alloc = {label: load_artifact(p).scheme for label, p in fits.items() if "allocated" in label}
     extra = "\n".join(f"- {label}: 4-bit keys in layers "
                       f"{[i for i, w in enumerate(s.bits_k) if w == 4]}, 4-bit values in "
-                      f"{[i for i, w in enumerate(s.bits_v) if w == 4]}" for label, s in alloc.items())
+                      f"{[i for i, w in enumerate(s.bits_v) if w == 4]}"
+                      + (f", split keys in {[i for i, m in enumerate(s.split_k) if m]}" if s.split else "")
+                      for label, s in alloc.items())
     append_section(
         args.results, f"Accuracy at equal bits ({run.model_slug})", cpu_device(model), args.commit or "unknown",
         f"Run {run.run_id} ({run.tokens} calibration tokens), recipe {args.recipe}; {args.segments} segments of "
