@@ -251,9 +251,13 @@ def peers_only(args, argv, run, model, d: int, segs: dict, base_cfg, peers) -> i
     return 0
 
 
+TOP_RATIO = 1.4
+"""The plot's perplexity ratio axis ends here; a method above it is drawn on the edge, its ratio in the legend."""
+
+
 def plot_curve(rows: list[list[str]], texts: list[str], path: str, model: str) -> None:
     """Perplexity x BF16 against bits per element (at 32k tokens): the allocated fits as a curve per text, every
-    other method as a point (the table's rows)."""
+    other method as a point (the table's rows; those above :data:`TOP_RATIO` on the edge, named in the legend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,8 +271,12 @@ def plot_curve(rows: list[list[str]], texts: list[str], path: str, model: str) -
         curve = sorted((float(r[2]), ratio(r[3 + i])) for r in rows if "allocated" in r[0])
         if curve:
             ax.plot(*zip(*curve, strict=True), "o-", color="C0", label="oscar, allocated (fp8 scales)")
+        top = TOP_RATIO
         for k, r in enumerate(r for r in rows if "allocated" not in r[0] and r[0] != "bf16" and "only" not in r[0]):
-            ax.plot(float(r[2]), ratio(r[3 + i]), "s^vD<>p*hX"[k % 10], color=f"C{k % 9 + 1}", label=r[0])
+            y = ratio(r[3 + i])
+            label = r[0] if y <= top else f"{r[0]} (x{y:.2f}, off the scale)"
+            ax.plot(float(r[2]), min(y, top), "s^vD<>p*hX"[k % 10], color=f"C{k % 9 + 1}", label=label)
+        ax.set_ylim(top=top + 0.02)
         ax.set_xlabel("bits per quantized element (scale/zero included, at 32k tokens)")
         ax.set_ylabel("perplexity / BF16")
         ax.set_title(f"{model}: {text}", fontsize=9)
