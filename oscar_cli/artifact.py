@@ -311,12 +311,10 @@ def _check_tensors(tensors: dict[str, torch.Tensor], m: Manifest, where) -> None
         want["clip_k_hi"] = (n, h)
         if "mult_k_hi" in need:
             want["mult_k_hi"] = (n, hkv)
-        if len(m.scheme.split_k) != m.shape.n_layers:
-            raise ArtifactError(f"{where}: the scheme splits key rows of {len(m.scheme.split_k)} layers, the model "
-                                f"has {m.shape.n_layers}; re-run `oscar fit`")
-    if m.scheme.bits_k and len(m.scheme.bits_k) != m.shape.n_layers:
-        raise ArtifactError(f"{where}: the scheme allocates widths for {len(m.scheme.bits_k)} layers, the model has "
-                            f"{m.shape.n_layers}; re-run `oscar fit`")
+    try:
+        m.scheme.check_layers(m.shape.n_layers)  # the allocation's and the split's per-layer entries
+    except SchemeError as e:
+        raise ArtifactError(f"{where}: {e}; re-run `oscar fit`") from None
     bad = [k for k, s in want.items() if tuple(tensors[k].shape) != s]
     if h not in (1, hkv) or bad or tensors["layers"].tolist() != list(m.layers):
         raise ArtifactError(f"{where}: tensor shapes do not match the manifest ({n} layers, {hkv} KV heads, head dim "

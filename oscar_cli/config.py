@@ -130,10 +130,6 @@ class FitConfig:
         if self.key_split and (self.bits_per_element is None or self.sensitivity_tokens <= 0):
             raise ConfigError("key_split is a choice of the budgeted allocation: give bits_per_element (e.g. 2.5) and "
                               "sensitivity_tokens (e.g. 1024) with it")
-        for name in ("split_clips_hi", "split_clips_lo"):
-            v = getattr(self, name)
-            if not v or any(not 0 < c <= 1 for c in v):
-                raise ConfigError(f"{name} values must lie in (0, 1]")
         if self.bits_per_element is not None and not 1 < self.bits_per_element <= 16:
             raise ConfigError(f"bits_per_element must lie in (1, 16] bits per quantized element, got "
                               f"{self.bits_per_element}")
@@ -151,8 +147,10 @@ class FitConfig:
                               f"{self.sensitivity_tokens}")
         if self.method not in ROTATIONS:
             raise ConfigError(f"unknown rotation {self.method!r} for fit --method; choose one of {', '.join(ROTATIONS)}")
-        if not self.clip_grid or any(not 0 < c <= 1 for c in self.clip_grid):
-            raise ConfigError("clip_grid values must lie in (0, 1]")
+        for name in ("clip_grid", "split_clips_hi", "split_clips_lo"):  # clip ratios
+            v = getattr(self, name)
+            if not v or any(not 0 < c <= 1 for c in v):
+                raise ConfigError(f"{name} values must lie in (0, 1]")
 
     @property
     def rotation(self) -> Rotation:

@@ -332,17 +332,30 @@ def fit_layer(data: LayerData, cfg: FitConfig, head_dim: int, widths: tuple[int,
                     split=cfg.key_split)
 
 
+def _stored_keys(f: LayerFit) -> torch.Tensor:
+    """A fitted layer's calibration key rows as the cache stores them (minus the center with key centering)."""
+    return f.data.k_rows if f.center_k is None else f.data.k_rows - f.center_k
+
+
 def layer_multipliers(f: LayerFit, bits_k: int, bits_v: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 metadata multipliers ``[H]`` of a fitted layer's keys and values at their widths, over all its rows."""
-    k = f.data.k_rows if f.center_k is None else f.data.k_rows - f.center_k
-    return (meta_multipliers(k, f.r_k, f.clips_at(bits_k)[0], bits_k, group),
-            meta_multipliers(f.data.v_rows, f.r_v, f.clips_at(bits_v)[1], bits_v, group))
+    return key_multipliers(f, bits_k, group), value_multipliers(f, bits_v, group)
+
+
+def key_multipliers(f: LayerFit, bits: int, group: int) -> torch.Tensor:
+    """FP8 metadata multipliers ``[H]`` of a fitted layer's (unsplit) keys at ``bits``, over all its rows."""
+    return meta_multipliers(_stored_keys(f), f.r_k, f.clips_at(bits)[0], bits, group)
+
+
+def value_multipliers(f: LayerFit, bits: int, group: int) -> torch.Tensor:
+    """FP8 metadata multipliers ``[H]`` of a fitted layer's values at ``bits``, over all its rows."""
+    return meta_multipliers(f.data.v_rows, f.r_v, f.clips_at(bits)[1], bits, group)
 
 
 def split_multipliers(f: LayerFit, clips: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 metadata multipliers ``[H]`` of a fitted layer's split key rows at the (4-bit, 2-bit) ``clips``: (4-bit
     part, 2-bit part), over all its rows."""
-    k = f.data.k_rows if f.center_k is None else f.data.k_rows - f.center_k
+    k = _stored_keys(f)
     m, d = f.split, f.r_split.shape[-1]
     one = torch.ones(1, dtype=torch.float64)
     return (meta_multipliers(k, f.r_split[..., :m], one * clips[0], 4, m),
@@ -375,20 +388,15 @@ def stack_fits(layers: list[int], fits: list[LayerFit], scheme, group: int) -> d
         for j, kind in enumerate(("k", "v")):
             out[f"levels_{kind}"] = torch.stack([f.tables[2][j] for f in fits]).float()
     if scheme.scale_dtype == "fp8":
-        mults = [layer_multipliers(f, scheme.width(i, "k"), scheme.width(i, "v"), group) for i, f in pairs]
-        out["mult_k"] = torch.stack([m[0] for m in mults])
-        out["mult_v"] = torch.stack([m[1] for m in mults])
+        # a split layer's keys: (4-bit part, 2-bit part); other layers' one multiplier (1 for the absent 4-bit part)
+        keys = [split_multipliers(f, f.split_clips) if scheme.split_of(i) else
+                (None, key_multipliers(f, scheme.width(i, "k"), group)) for i, f in pairs]
+        out["mult_k"] = torch.stack([lo for _, lo in keys])
+        out["mult_v"] = torch.stack([value_multipliers(f, scheme.width(i, "v"), group) for i, f in pairs])
+        if scheme.split:
+            out["mult_k_hi"] = torch.stack([torch.ones_like(lo) if hi is None else hi for hi, lo in keys])
     if scheme.split:
         # the split layers' 4-bit parts (1 in the rows of layers not split); their 2-bit parts' are clip_k / mult_k
         out["clip_k_hi"] = torch.stack([torch.full_like(f.clip_k, f.split_clips[0] if scheme.split_of(i) else 1.0)
                                         for i, f in pairs]).float()
-        if scheme.scale_dtype == "fp8":
-            hi = []
-            for j, (i, f) in enumerate(pairs):
-                if scheme.split_of(i):
-                    m_hi, out["mult_k"][j] = split_multipliers(f, f.split_clips)
-                    hi.append(m_hi)
-                else:
-                    hi.append(torch.ones_like(out["mult_k"][j]))
-            out["mult_k_hi"] = torch.stack(hi)
     return out

@@ -140,16 +140,13 @@ def _layer_quants(f: LayerFit, q, group: int) -> dict:
 def split_quant(f: LayerFit, q, group: int, clips: tuple[float, float]):
     """A :class:`~oscar_cli.kvquant.LayerQuant` of one fitted layer with its keys split (``f.split`` 4-bit directions,
     the (4-bit, 2-bit) ``clips``) and its values exact: what the split clip choice and the split KL score."""
-    from .fit import layer_multipliers, split_multipliers
+    from .fit import split_multipliers
     from .kvquant import EXACT, LayerQuant
 
     h = f.r_split.shape[0]
-    mk_hi = mk = mv = None
-    if q.scale_dtype == "fp8":
-        mk_hi, mk = (m.float() for m in split_multipliers(f, clips))
-        mv = layer_multipliers(f, 2, 2, group)[1]
+    mk_hi, mk = split_multipliers(f, clips) if q.scale_dtype == "fp8" else (None, None)
     return LayerQuant(2, EXACT, group, f.r_split.float(), f.r_v.float(), torch.full((h,), clips[1]),
-                      f.clips_at(2)[1].float(), meta=q.scale_dtype, mult_k=mk, mult_v=mv,
+                      f.clips_at(2)[1].float(), meta=q.scale_dtype, mult_k=mk,
                       center_k=None if f.center_k is None else f.center_k.float(), split_k=f.split,
                       clip_k_hi=torch.full((h,), clips[0]), mult_k_hi=mk_hi)
 
@@ -158,8 +155,8 @@ def choose_split_clips(model, segments, cfg: FitConfig, layers: list[int], fits:
                        progress: Callable[[], None] | None = None) -> dict:
     """The (4-bit, 2-bit) clip pair of split key rows: the pair of ``cfg.split_clips_hi`` x ``cfg.split_clips_lo``
     with the least final-logit KL on calibration text, every fitted layer's keys split (values exact). One pair for
-    all layers: the layer-local key error hardly moves with the split (benchmarks/NOTES.md), the logits do. Sets
-    ``split_clips`` on ``fits``; returns the choice and the curve."""
+    all layers: the layer-local key error hardly moves with the split (benchmarks/NOTES.md), the logits do. Returns
+    the choice and the curve."""
     from .sensitivity import logit_kl
 
     n_layers = model.config.num_hidden_layers
@@ -171,22 +168,20 @@ def choose_split_clips(model, segments, cfg: FitConfig, layers: list[int], fits:
         configs[pair] = quants
     kl = logit_kl(model, segments, configs, cfg.scheme, progress=progress)
     best = min(kl, key=kl.get)
-    for f in fits:
-        f.split_clips = best
     return {"clips": list(best), "curve": [[hi, lo, v] for (hi, lo), v in kl.items()]}
 
 
 def measure_split(model, segments, cfg: FitConfig, layers: list[int], fits: list[LayerFit], group: int,
-                  progress: Callable[[], None] | None = None) -> dict[int, float]:
-    """Final-logit KL per token with each fitted layer's keys split alone (at its ``split_clips``), every other part
-    exact: the allocation's loss for choosing split keys in that layer."""
+                  clips: tuple[float, float], progress: Callable[[], None] | None = None) -> dict[int, float]:
+    """Final-logit KL per token with each fitted layer's keys split alone (at the (4-bit, 2-bit) ``clips``), every
+    other part exact: the allocation's loss for choosing split keys in that layer."""
     from .sensitivity import logit_kl
 
     n_layers = model.config.num_hidden_layers
     configs = {}
     for layer, f in zip(layers, fits, strict=True):
         one: list = [None] * n_layers
-        one[layer] = split_quant(f, cfg.scheme, group, f.split_clips)
+        one[layer] = split_quant(f, cfg.scheme, group, clips)
         configs[layer] = one
     return logit_kl(model, segments, configs, cfg.scheme, progress=progress)
 
@@ -256,9 +251,9 @@ def measure_sensitivity(store: Store, run: Run, cfg: FitConfig, layers: list[int
         steps = len(cfg.split_clips_hi) * len(cfg.split_clips_lo) + len(layers)
         done = itertools.count(1)
         tick = None if progress is None else lambda: progress(next(done), steps)
-        choice = choose_split_clips(loaded.model, segments, cfg, layers, fits, group, tick)
-        sens = dataclasses.replace(sens, split=cfg.key_split, split_clips=tuple(choice["clips"]),
-                                   kl_split=measure_split(loaded.model, segments, cfg, layers, fits, group, tick))
+        clips = tuple(choose_split_clips(loaded.model, segments, cfg, layers, fits, group, tick)["clips"])
+        sens = dataclasses.replace(sens, split=cfg.key_split, split_clips=clips,
+                                   kl_split=measure_split(loaded.model, segments, cfg, layers, fits, group, clips, tick))
     return sens, layer_tokens(loaded.model.config, cfg.context), scale
 
 
@@ -307,7 +302,7 @@ def run_fit(
             if sens.split != cfg.key_split:
                 raise art.ArtifactError(f"the sensitivity measured {sens.split}-channel split keys, the fit asks for "
                                         f"{cfg.key_split}; measure again")
-            for f in fits:  # the measured split clip pair (set already when measured just now)
+            for f in fits:  # the measured split clip pair
                 f.split_clips = sens.split_clips
         metrics["sensitivity"] = sens.to_dict()
         if scale is not None:

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import torch
 from oscar_kernels import FP8_MAX, FP8_MIN_STEP, SCALE_EPS, pack, to_fp8, unpack
 
-__all__ = ["FP8_MAX", "META_HEADROOM", "SCALE_EPS", "QuantizedRows", "SplitRows", "bits_per_element", "clip_bounds", "dequantize",
-           "fake_quant", "gaussian_table", "lloyd_max", "meta_multiplier", "pack", "quantize", "unpack"]
+__all__ = ["FP8_MAX", "META_HEADROOM", "SCALE_EPS", "QuantizedRows", "SplitRows", "bits_per_element", "clip_bounds",
+           "dequantize", "fake_quant", "gaussian_table", "lloyd_max", "meta_multiplier", "pack", "quantize",
+           "quantize_split", "unpack"]
 
 META_HEADROOM = 7
 """:func:`meta_multiplier` maps the largest calibration |scale| or |zero| to at most ``2**META_HEADROOM`` (128): 3.5x
